@@ -1,0 +1,39 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+
+def tiny_config_kwargs(**overrides):
+    # Every linear dim is a multiple of 128: hidden 256, 4 heads x 64 (q/o 256), 2 kv heads (k/v 128), mlp 512.
+    kwargs = dict(
+        vocab_size=160,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture
+def tiny_llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs())).eval()
+
+
+@pytest.fixture
+def tiny_qwen2():
+    # Qwen2 has biases on q/k/v: the FP8 path must carry them.
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**tiny_config_kwargs())).eval()
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (torchao's `compute_error`)."""
+    reference, approx = reference.detach().double(), approx.detach().double()
+    return float(20 * torch.log10(reference.norm() / (reference - approx).norm()).detach())

@@ -1,0 +1,225 @@
+"""Blockwise quantization against a slow, independent reference: per-block Python/numpy float32 math and an E4M3
+rounding oracle built from the 256 bit patterns of the format (bit-exact, no tolerance)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_fp8.quant import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+
+
+# All finite E4M3 values, sorted, with their bit patterns: the format's definition, independent of torch's cast.
+_BITS = np.arange(256, dtype=np.uint8)
+_VALUES = torch.from_numpy(_BITS.copy()).view(FP8_DTYPE).float().numpy()
+_FINITE = np.isfinite(_VALUES)
+_ORDER = np.argsort(_VALUES[_FINITE], kind="stable")
+E4M3_VALUES = _VALUES[_FINITE][_ORDER].astype(np.float64)
+E4M3_BITS = _BITS[_FINITE][_ORDER]
+
+
+def e4m3_round(v: float) -> int:
+    """Round-to-nearest-even onto E4M3 (after the clamp to ±448): returns the bit pattern."""
+    v = min(max(v, -448.0), 448.0)
+    i = int(np.searchsorted(E4M3_VALUES, v))
+    cands = [j for j in (i - 1, i) if 0 <= j < len(E4M3_VALUES)]
+    best = min(abs(E4M3_VALUES[j] - v) for j in cands)
+    ties = [j for j in cands if abs(E4M3_VALUES[j] - v) == best]
+    if len(ties) > 1:  # halfway: the even mantissa (lowest bit 0) wins
+        ties = [j for j in ties if E4M3_BITS[j] % 2 == 0] or ties
+    j = ties[0]
+    if E4M3_VALUES[j] == 0.0:  # ±0: keep the sign of v
+        return 0x80 if math.copysign(1.0, v) < 0 else 0x00
+    return int(E4M3_BITS[j])
+
+
+def reference_quantize(x: torch.Tensor, block: tuple[int, int], pow2: bool = False):
+    """Block by block, element by element, in numpy float32 (correctly rounded, like TE's __fdiv_rn)."""
+    x = x.float().numpy()
+    rows, cols = x.shape
+    br, bc = block
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    bits = np.zeros_like(x, dtype=np.uint8)
+    scale_inv = np.zeros((nr, nc), dtype=np.float32)
+    f32_max = np.finfo(np.float32).max
+    for r in range(nr):
+        for c in range(nc):
+            blk = x[r * br : (r + 1) * br, c * bc : (c + 1) * bc]
+            amax = np.float32(np.abs(blk).max())
+            if amax == 0 or not np.isfinite(amax):
+                scale = np.float32(1.0)
+            else:
+                with np.errstate(over="ignore"):
+                    scale = np.float32(448.0) / amax
+                if np.isinf(scale):
+                    scale = np.float32(f32_max)
+            if pow2:
+                mantissa, exponent = math.frexp(float(scale))  # scale = m * 2**e, m in [0.5, 1)
+                scale = np.float32(math.ldexp(1.0, exponent - 1))
+            scale_inv[r, c] = np.float32(1.0) / scale
+            for i in range(blk.shape[0]):
+                for j in range(blk.shape[1]):
+                    bits[r * br + i, c * bc + j] = e4m3_round(float(np.float32(blk[i, j]) * scale))
+    return torch.from_numpy(bits).view(FP8_DTYPE), torch.from_numpy(scale_inv)
+
+
+def many_scales(rows: int, cols: int, block: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    """Every block gets its own magnitude, so one wrong scale cannot hide behind its neighbours."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    nr, nc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    mags = torch.exp2(torch.randint(-12, 12, (nr, nc), generator=g).float())
+    return x * mags.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def assert_bits_equal(q: torch.Tensor, q_ref: torch.Tensor):
+    diff = (q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()
+    assert diff == 0, f"{diff} of {q.numel()} FP8 codes differ from the reference"
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+@pytest.mark.parametrize(
+    "shape,block",
+    [((256, 256), (128, 128)), ((130, 300), (128, 128)), ((5, 300), (1, 128)), ((3, 128), (1, 128))],
+    ids=["2DTile", "2DTile_partial", "1DTile_partial", "1DTile"],
+)
+def test_bit_exact_against_reference(shape, block, pow2):
+    x = many_scales(*shape, block, seed=shape[0])
+    q, s = quantize_blockwise(x, block, pow2_scales=pow2)
+    q_ref, s_ref = reference_quantize(x, block, pow2)
+    assert_bits_equal(q, q_ref)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+
+
+def test_block_amax_maps_to_448():
+    x = torch.randn(256, 256)
+    x[3, 5] = 7.25  # the amax of block (0, 0)
+    x[200, 140] = -0.03  # the amax of block (1, 1), made small
+    x[128:, 128:] = x[128:, 128:].clamp(-0.029, 0.029)
+    x[0:128, 0:128].clamp_(-7.0, 7.0)
+    x[3, 5] = 7.25
+    q, s = quantize_blockwise(x, (128, 128))
+    assert q[3, 5].float().item() == 448.0
+    assert q[200, 140].float().item() == -448.0
+    assert q[:128, :128].float().abs().max().item() == 448.0
+
+
+def test_zero_block_dequantizes_to_zero_with_scale_one():
+    x = torch.randn(256, 384)
+    x[128:, 128:256] = 0
+    q, s = quantize_blockwise(x, (128, 128))
+    assert s[1, 1].item() == 1.0
+    assert torch.equal(dequantize_blockwise(q, s)[128:, 128:256], torch.zeros(128, 128))
+
+
+def test_partial_edge_blocks_use_only_existing_elements():
+    x = torch.full((130, 129), 1.0)
+    x[129, 128] = 3.0  # the only element of the corner block (1, 1)
+    q, s = quantize_blockwise(x, (128, 128))
+    assert s.shape == (2, 2)
+    assert s[1, 1].item() == torch.tensor(1.0) / (torch.tensor(448.0) / torch.tensor(3.0))
+    assert q[129, 128].float().item() == 448.0
+    x_dq = dequantize_blockwise(q, s)
+    assert torch.equal(x_dq[:128], x[:128])  # blocks of 1.0 alone round-trip exactly
+    assert x_dq[129, 128] == 448.0 * s[1, 1] and x_dq[128, 128] == 144.0 * s[1, 1]
+    torch.testing.assert_close(x_dq[129, 128], torch.tensor(3.0))
+
+
+def test_pow2_scales_are_powers_of_two_and_never_overflow():
+    x = many_scales(384, 256, (128, 128), seed=3)
+    q, s = quantize_blockwise(x, (128, 128), pow2_scales=True)
+    mantissa, _ = torch.frexp(s)
+    assert torch.all(mantissa == 0.5), "every scale_inv must be an exact power of two"
+    xb = x.reshape(3, 128, 2, 128)
+    scale = 1.0 / s  # exact for powers of two
+    assert torch.all((xb * scale[:, None, :, None]).abs() <= 448.0), "a pow2 scale must never push a value past 448"
+
+
+def test_pow2_rounds_down_where_log2_is_off_by_one():
+    # 448 / amax is just above 2**20 here, where 2**ceil(log2(amax / 448)) famously gives 2**-21 (research §0).
+    amax = torch.tensor(2.1362312e-4)
+    x = torch.zeros(1, 128)
+    x[0, 0] = amax
+    _, s = quantize_blockwise(x, (1, 128), pow2_scales=True)
+    assert s.item() == 2.0**-20
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), 1e38])
+def test_values_beyond_range_saturate_never_nan(value):
+    x = torch.randn(2, 128)
+    x[0, 7] = value
+    q, s = quantize_blockwise(x, (1, 128), check_finite=False)
+    assert not torch.isnan(q.float()).any()
+    assert q[0, 7].float().item() == math.copysign(448.0, value)
+
+
+def test_nonfinite_input_raises_with_name_and_count():
+    x = torch.randn(4, 256)
+    x[0, 0] = float("nan")
+    x[1, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"'layers.0.q_proj.weight'.*2 of 1024 elements.*1 NaN, 1 inf"):
+        quantize_blockwise(x, (128, 128), name="layers.0.q_proj.weight")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_any_float_dtype_and_leading_dims(dtype):
+    x = torch.randn(2, 3, 5, 256).to(dtype)
+    q, s = quantize_blockwise(x, (1, 128))
+    assert q.shape == x.shape and s.shape == (2, 3, 5, 2)
+    q_ref, s_ref = reference_quantize(x.float().reshape(-1, 256), (1, 128))
+    assert_bits_equal(q.reshape(-1, 256), q_ref)
+    assert torch.equal(s.reshape(-1, 2), s_ref)
+
+
+def test_bad_block_size_and_scale_shape_raise():
+    with pytest.raises(ValueError, match="block_size"):
+        quantize_blockwise(torch.randn(4, 4), (0, 128))
+    q, s = quantize_blockwise(torch.randn(256, 256))
+    with pytest.raises(ValueError, match="scale_inv has shape"):
+        dequantize_blockwise(q, s[:1])
+
+
+_blocks = st.sampled_from([(128, 128), (1, 128), (32, 64)])
+
+
+@st.composite
+def blocked_tensors(draw):
+    block = draw(_blocks)
+    rows = draw(st.integers(1, 260))
+    cols = draw(st.integers(1, 260))
+    seed = draw(st.integers(0, 2**16))
+    return many_scales(rows, cols, block, seed), block
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocked_tensors(), st.booleans())
+def test_round_trip_error_within_half_an_e4m3_step(case, pow2):
+    x, block = case
+    q, s = quantize_blockwise(x, block, pow2_scales=pow2)
+    x_dq = dequantize_blockwise(q, s, block)
+    scale_inv = s.repeat_interleave(block[0], 0)[: x.shape[0]].repeat_interleave(block[1], 1)[:, : x.shape[1]]
+    scaled = (x / scale_inv).abs()
+    # Half a step of E4M3 at each value: 2**-4 relative in the normal range, 2**-10 absolute among subnormals;
+    # the 1e-6 covers the fp32 rounding of x * scale.
+    half_step = torch.maximum(scaled * 2.0**-4, torch.full_like(scaled, 2.0**-10)) * (1 + 1e-6)
+    assert torch.all((x - x_dq).abs() <= half_step * scale_inv)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocked_tensors(), st.booleans())
+def test_quantizing_a_dequantized_tensor_again_is_the_identity(case, pow2):
+    x, block = case
+    q, s = quantize_blockwise(x, block, pow2_scales=pow2)
+    x_dq = dequantize_blockwise(q, s, block)
+    q2, s2 = quantize_blockwise(x_dq, block, pow2_scales=pow2)
+    if pow2:
+        # Power-of-2 scales make the dequantized values an exact fixed point. (The codes may not be: a block whose
+        # amax rounded to exactly 224 = 448 / 2 gets twice the scale and half the codes on the second pass.)
+        assert torch.equal(dequantize_blockwise(q2, s2, block), x_dq)
+    else:
+        # fp32 scales keep every code; 448 * (1 / scale) and back may move a scale by one ulp.
+        assert_bits_equal(q2, q)
+        torch.testing.assert_close(s2, s, rtol=2.5e-7, atol=0)

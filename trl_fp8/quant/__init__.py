@@ -1,0 +1,29 @@
+"""All of trl-fp8's numerics, as pure functions and plain modules; nothing here knows about TRL.
+
+One scale convention everywhere (TransformerEngine's): `scale` multiplies a high-precision tensor into FP8,
+`scale_inv = 1 / scale` dequantizes (`x ≈ q.float() * scale_inv`) and is what GEMMs and checkpoints carry
+(`weight_scale_inv`). A reciprocal is never called `scale`.
+"""
+
+from .blockwise import FP8_DTYPE, FP8_MAX, dequantize_blockwise, quantize_blockwise, scale_from_amax
+from .convert import convert_to_fp8, fp8_modules, select_fp8_linears
+from .export import iter_fp8_state, stream_nbytes
+from .linear import FP8Linear
+from .w8a8 import W8A8Linear, quantize_per_token_group
+
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8Linear",
+    "W8A8Linear",
+    "convert_to_fp8",
+    "dequantize_blockwise",
+    "fp8_modules",
+    "iter_fp8_state",
+    "quantize_blockwise",
+    "quantize_per_token_group",
+    "scale_from_amax",
+    "select_fp8_linears",
+    "stream_nbytes",
+]

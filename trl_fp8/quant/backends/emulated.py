@@ -1,0 +1,27 @@
+"""The `emulated` backend: dequantize both operands, multiply in fp32. Runs anywhere; the oracle for every other
+backend (products of FP8 values are exact in fp32, so only the accumulation order differs from a real kernel)."""
+
+import torch
+
+from ..blockwise import dequantize_blockwise
+
+
+name = "emulated"
+
+
+def is_available(device: torch.device | None = None) -> tuple[bool, str]:
+    return True, "runs on any device"
+
+
+def gemm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    b_block: tuple[int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in `b_block` blocks along K -> (M, N) in `out_dtype`."""
+    a_hp = dequantize_blockwise(a, a_scale_inv, (1, 128))
+    b_hp = dequantize_blockwise(b, b_scale_inv, b_block)
+    return (a_hp @ b_hp.t()).to(out_dtype)

@@ -1,0 +1,101 @@
+"""`convert_to_fp8(model, recipe)`: swap the decoder blocks' linears for `FP8Linear`, in place, names unchanged.
+
+Only `nn.Linear` modules inside the decoder layers (`...layers.{i}...`) are candidates. Never converted: `lm_head`,
+embeddings and norms (not linears, or outside the layers), MoE routers (`...mlp.gate`, `...router`), anything the
+recipe excludes, and layers whose dims are not multiples of the weight block (vLLM cannot serve them in block FP8;
+they stay in high precision, with one warning that lists them).
+"""
+
+import fnmatch
+import re
+import warnings
+
+from torch import nn
+
+from .linear import FP8Linear
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ROUTER_RE = re.compile(r"(?:^|\.)(?:gate|router)$")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+    return name == pattern or name.endswith(f".{pattern}") or f".{pattern}." in f".{name}."
+
+
+def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
+    """Returns `(names to convert, names kept in high precision because of their dims)`, in module order."""
+    candidates = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or "lm_head" in name.split("."):
+            continue
+        match = _LAYER_RE.search(name)
+        if match is None or _ROUTER_RE.search(name):
+            continue
+        candidates.append((name, module, int(match.group(1))))
+    if not candidates:
+        return [], []
+    config = getattr(model, "config", None)
+    num_layers = getattr(config, "num_hidden_layers", None) or max(i for _, _, i in candidates) + 1
+    first, last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
+    block_n, block_k = recipe.weight_block_size
+    selected, misaligned = [], []
+    for name, module, layer in candidates:
+        if layer < first or layer >= num_layers - last:
+            continue
+        if any(_matches(name, p) for p in recipe.modules_to_not_convert):
+            continue
+        if module.out_features % block_n or module.in_features % block_k:
+            misaligned.append(f"{name} ({module.out_features}x{module.in_features})")
+            continue
+        selected.append(name)
+    return selected, misaligned
+
+
+def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
+    """Converts `model`'s decoder-layer linears to `FP8Linear` in place and returns `model`.
+
+    Args:
+        model (`nn.Module`):
+            A transformers causal LM (or any module whose decoder blocks live under `...layers.{i}.`).
+        recipe (`FP8Recipe`, `dict` or path, *optional*):
+            The recipe; defaults to `FP8Recipe()`.
+
+    Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
+    Converting an already converted model is a no-op for the modules already in FP8.
+    """
+    from ..recipe import FP8Recipe
+
+    recipe = FP8Recipe.from_any(recipe)
+    selected, misaligned = select_fp8_linears(model, recipe)
+    if misaligned:
+        warnings.warn(
+            f"trl-fp8: {len(misaligned)} linear layer(s) have dims that are not multiples of the "
+            f"{recipe.weight_block_size} weight block and stay in high precision: {', '.join(misaligned)}",
+            stacklevel=2,
+        )
+    for name in selected:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, child)
+        if isinstance(module, FP8Linear):
+            continue
+        setattr(
+            parent,
+            child,
+            FP8Linear.from_linear(
+                module,
+                backend=recipe.backend,
+                pow2_scales=recipe.pow2_scales,
+                weight_block_size=tuple(recipe.weight_block_size),
+                name=name,
+            ),
+        )
+    model.fp8_recipe = recipe
+    return model
+
+
+def fp8_modules(model: nn.Module) -> dict[str, FP8Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}

@@ -1,0 +1,163 @@
+"""`FP8Linear`: an `nn.Linear` whose three GEMMs run on blockwise-E4M3 operands (DESIGN §1).
+
+The module keeps its master weight in its own dtype (the optimizer never sees FP8) and caches the quantized weight
+while the weight is unchanged (its version counter), so micro-batches, the old-logprob pass and the export stream
+all reuse one quantization per optimizer step. Being an `nn.Linear` subclass that holds the very same `weight` and
+`bias` Parameters, a swapped-in `FP8Linear` changes no parameter name, `state_dict` key or optimizer state.
+"""
+
+import torch
+from torch import nn
+
+from .backends import resolve_backend
+from .blockwise import quantize_blockwise
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """Y = X · Wᵀ (+ b) with FP8 operands in all three GEMMs (M tokens, K = in_features, N = out_features):
+
+    - fprop: Y[M, N]  = X[M, K] · W[N, K]ᵀ     X in 1x128 blocks along K, W in 128x128 blocks
+    - dgrad: dX[M, K] = dY[M, N] · W[N, K]     dY in 1x128 blocks along N; W reused (same FP8 bits, scales transposed)
+    - wgrad: dW[N, K] = dY[M, N]ᵀ · X[M, K]    dYᵀ and Xᵀ in 1x128 blocks along M, the token dim (TE's column-wise
+      usage; X is quantized this way from the high-precision input in forward, never re-quantized from FP8)
+
+    Every GEMM accumulates in fp32; the bias and its gradient stay in high precision.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_fp8, w_scale_inv, w_block, backend, pow2_scales):
+        x2d = x.reshape(-1, x.shape[-1])
+        x_fp8, x_scale_inv = quantize_blockwise(x2d, (1, 128), pow2_scales=pow2_scales, check_finite=False)
+        # [M, K] @ [K, N] -> [M, N]
+        y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        xt_fp8 = xt_scale_inv = None
+        if weight.requires_grad:
+            xt_fp8, xt_scale_inv = quantize_blockwise(x2d.t(), (1, 128), pow2_scales=pow2_scales, check_finite=False)
+        ctx.save_for_backward(w_fp8, w_scale_inv, xt_fp8, xt_scale_inv)
+        ctx.backend, ctx.pow2_scales, ctx.w_block = backend, pow2_scales, w_block
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_fp8, w_scale_inv, xt_fp8, xt_scale_inv = ctx.saved_tensors
+        backend, pow2 = ctx.backend, ctx.pow2_scales
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dy_fp8, dy_scale_inv = quantize_blockwise(dy2d, (1, 128), pow2_scales=pow2, check_finite=False)
+            # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
+            w_block_t = (ctx.w_block[1], ctx.w_block[0])
+            dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8.t(), w_scale_inv.t(), w_block_t, ctx.x_dtype)
+            dx = dx.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dyt_fp8, dyt_scale_inv = quantize_blockwise(dy2d.t(), (1, 128), pow2_scales=pow2, check_finite=False)
+            # [N, M] @ [M, K] -> [N, K]
+            dw = backend.gemm(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, (1, 128), ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        return dx, dw, db, None, None, None, None, None
+
+
+class FP8Linear(nn.Linear):
+    """`nn.Linear` with blockwise-FP8 fprop, dgrad and wgrad.
+
+    Args:
+        in_features (`int`), out_features (`int`), bias (`bool`), device, dtype:
+            As for `nn.Linear`.
+        backend (`str`, *optional*, defaults to `"auto"`):
+            GEMM backend: `"auto"`, `"emulated"` or `"torch"` (see `trl_fp8.quant.backends`). Resolved on the first
+            forward, for the device of the input.
+        pow2_scales (`bool`, *optional*, defaults to `False`):
+            Round every scale down to a power of two.
+        weight_block_size (`tuple[int, int]`, *optional*, defaults to `(128, 128)`):
+            Block of one weight scale over (out_features, in_features).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        backend: str = "auto",
+        pow2_scales: bool = False,
+        weight_block_size: tuple[int, int] = (128, 128),
+    ):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.backend = backend
+        self.weight_block_size = tuple(weight_block_size)
+        self.pow2_scales = pow2_scales
+        self.fp8_name = "weight"
+        self._w_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._backends: dict[torch.device, object] = {}
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        backend: str = "auto",
+        pow2_scales: bool = False,
+        weight_block_size: tuple[int, int] = (128, 128),
+        name: str | None = None,
+    ) -> "FP8Linear":
+        """Zero-copy swap: the new module holds `linear`'s own `weight` and `bias` Parameters."""
+        with torch.device("meta"):
+            new = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                backend=backend,
+                pow2_scales=pow2_scales,
+                weight_block_size=weight_block_size,
+            )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.fp8_name = f"{name}.weight" if name else "weight"
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """The plain `nn.Linear` holding the same Parameters (for BF16 evaluation or export)."""
+        with torch.device("meta"):
+            lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        lin.weight, lin.bias = self.weight, self.bias
+        return lin
+
+    @torch.no_grad()
+    def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
+        if self._w_cache is None or self._w_cache[0] != key:
+            q, s = quantize_blockwise(w, self.weight_block_size, pow2_scales=self.pow2_scales, name=self.fp8_name)
+            self._w_cache = (key, q, s)
+        return self._w_cache[1], self._w_cache[2]
+
+    def _backend_for(self, device: torch.device):
+        if device not in self._backends:
+            self._backends[device] = resolve_backend(self.backend, device)
+        return self._backends[device]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w_fp8, w_scale_inv = self.quantized_weight()
+        return _FP8LinearFunction.apply(
+            x,
+            self.weight,
+            self.bias,
+            w_fp8,
+            w_scale_inv,
+            self.weight_block_size,
+            self._backend_for(x.device),
+            self.pow2_scales,
+        )
+
+    def extra_repr(self) -> str:
+        br, bc = self.weight_block_size
+        return f"{super().extra_repr()}, fp8=e4m3 w{br}x{bc}/x1x128, backend={self.backend}, pow2_scales={self.pow2_scales}"

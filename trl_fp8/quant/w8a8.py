@@ -1,0 +1,82 @@
+"""The sampler's numerics: vLLM's W8A8 block-FP8 linear (DeepSeek-V3 checkpoint format), in readable torch.
+
+Weights arrive already quantized by the trainer (`weight` e4m3 (N, K) + `weight_scale_inv` fp32
+(ceil(N/128), ceil(K/128))), so the sampler's weight grid is the learner's. Activations are quantized the way
+vLLM's `per_token_group_quant_fp8` does it, per token in groups of 128 along K:
+
+    s = max(amax, 1e-10) * (1 / 448)        # a dequant multiplier, computed by multiplying with a reciprocal
+    q = clamp(x / s, -448, 448).to(e4m3)
+
+which differs from the learner's `scale = 448 / amax` in the last bit of some scales: that is a real source of
+sampler/learner mismatch, and the importance-sampling correction is there for it.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from .blockwise import FP8_DTYPE, FP8_MAX, dequantize_blockwise
+
+
+VLLM_ACT_EPS = 1e-10
+
+
+@torch.no_grad()
+def quantize_per_token_group(
+    x: torch.Tensor, group_size: int = 128, *, eps: float = VLLM_ACT_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's dynamic activation quantization: returns `(q, scale_inv)` with `scale_inv` of shape
+    `(..., ceil(K / group_size))`."""
+    k = x.shape[-1]
+    pad = -k % group_size
+    xf = x.to(torch.float32)
+    if pad:
+        xf = nn.functional.pad(xf, (0, pad))
+    xg = xf.reshape(*xf.shape[:-1], -1, group_size)
+    amax = xg.abs().amax(dim=-1, keepdim=True).clamp_min(eps)
+    scale_inv = amax * (1.0 / FP8_MAX)
+    q = (xg / scale_inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(xf.shape)[..., :k], scale_inv.squeeze(-1)
+
+
+class W8A8Linear(nn.Module):
+    """A frozen block-FP8 linear as vLLM's `Fp8LinearMethod` holds it: `weight` (e4m3), `weight_scale_inv`
+    (fp32), optional `bias` in the model dtype. Used by the reference sampling engine.
+
+    The GEMM is emulated: both operands are dequantized and multiplied in fp32, i.e. exact products of the FP8
+    values with fp32 accumulation (what Hopper's block-scaled GEMMs approximate with split accumulators).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        n_blocks, k_blocks = math.ceil(out_features / 128), math.ceil(in_features / 128)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale_inv", torch.ones(n_blocks, k_blocks, dtype=torch.float32, device=device))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        self._w_dq: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def dequantized_weight(self) -> torch.Tensor:
+        # Keyed on the buffers' version counters: any in-place load (sync, load_state_dict) invalidates it.
+        key = (self.weight._version, self.weight_scale_inv._version)
+        if self._w_dq is None or self._w_dq[0] != key:
+            self._w_dq = (key, dequantize_blockwise(self.weight, self.weight_scale_inv, (128, 128)))
+        return self._w_dq[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale_inv = quantize_per_token_group(x, 128)
+        x_dq = dequantize_blockwise(xq, x_scale_inv, (1, 128))
+        # [..., K] @ [K, N] -> [..., N]
+        y = x_dq @ self.dequantized_weight().t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            "weight=e4m3 128x128, act=e4m3 1x128"
+        )
