@@ -37,3 +37,28 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB (torchao's `compute_error`)."""
     reference, approx = reference.detach().double(), approx.detach().double()
     return float(20 * torch.log10(reference.norm() / (reference - approx).norm()).detach())
+
+
+# Tiny models run fastest on one thread, and two processes of `accelerate launch` must not fight over two cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def demo_tokenizer():
+    from trl_fp8.demo.make_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+def tiny_policy(tokenizer, model_cls=LlamaForCausalLM, config_cls=LlamaConfig, num_hidden_layers=2, seed=0):
+    torch.manual_seed(seed)
+    config = config_cls(
+        **tiny_config_kwargs(
+            vocab_size=128,
+            num_hidden_layers=num_hidden_layers,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    return model_cls(config)

@@ -71,9 +71,11 @@ def test_error_against_high_precision_linear(dtype):
         assert db >= 25.0, f"{gemm} SQNR {db:.1f} dB is below the 25 dB bound"
 
 
-def test_quantized_weight_is_cached_until_the_weight_changes():
+@pytest.mark.parametrize("fused", [False, True], ids=["for_loop", "fused"])
+def test_quantized_weight_is_cached_until_the_weight_changes(fused):
+    # The fused AdamW (transformers' default) does not bump parameter versions: the cache must still notice.
     _, fp8 = make_layer()
-    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2, fused=fused)
     q1, s1 = fp8.quantized_weight()
     x = torch.randn(8, 384)
     fp8(x).sum().backward()  # the forward reuses the cached tensors
@@ -83,6 +85,9 @@ def test_quantized_weight_is_cached_until_the_weight_changes():
     assert q2 is not q1
     q_ref, s_ref = quantize_blockwise(fp8.weight.detach(), (128, 128))
     assert torch.equal(q2.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s2, s_ref)
+    with torch.no_grad():
+        fp8.weight.mul_(2)  # any in-place write
+    assert torch.equal(fp8.quantized_weight()[1], s_ref * 2)
 
 
 def test_swap_is_zero_copy():

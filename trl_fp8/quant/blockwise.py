@@ -67,15 +67,13 @@ def scale_from_amax(amax: torch.Tensor, *, pow2_scales: bool = False) -> torch.T
     return scale
 
 
-def _check_finite(x: torch.Tensor, name: str) -> None:
-    nonfinite = ~torch.isfinite(x)
-    count = int(nonfinite.sum())
-    if count:
-        nans = int(torch.isnan(x).sum())
-        raise ValueError(
-            f"cannot quantize {name!r} to FP8: {count} of {x.numel()} elements are not finite "
-            f"({nans} NaN, {count - nans} inf). Pass check_finite=False to quantize them anyway."
-        )
+def _raise_nonfinite(x: torch.Tensor, name: str) -> None:
+    count = int((~torch.isfinite(x)).sum())
+    nans = int(torch.isnan(x).sum())
+    raise ValueError(
+        f"cannot quantize {name!r} to FP8: {count} of {x.numel()} elements are not finite "
+        f"({nans} NaN, {count - nans} inf). Pass check_finite=False to quantize them anyway."
+    )
 
 
 @torch.no_grad()
@@ -111,10 +109,12 @@ def quantize_blockwise(
     squeeze = x.dim() == 1
     if squeeze:
         x = x.unsqueeze(0)
-    if check_finite:
-        _check_finite(x, name)
     xb, shape = _to_blocks(x.to(torch.float32), block_size)
     amax = xb.abs().amax(dim=(-3, -1), keepdim=True)
+    # amax propagates NaN and inf, so checking the (small) amax tensor checks every element; the input is only
+    # scanned again to count the culprits.
+    if check_finite and not bool(torch.isfinite(amax).all()):
+        _raise_nonfinite(x, name)
     scale = scale_from_amax(amax, pow2_scales=pow2_scales)
     q = (xb * scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     scale_inv = (torch.ones_like(scale) / scale).squeeze(-1).squeeze(-2)

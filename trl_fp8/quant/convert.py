@@ -29,7 +29,9 @@ def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     """Returns `(names to convert, names kept in high precision because of their dims)`, in module order."""
     candidates = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or "lm_head" in name.split("."):
+        parts = name.split(".")
+        # PEFT adapters (lora_A/lora_B) stay in high precision; their frozen base_layer is converted.
+        if not isinstance(module, nn.Linear) or "lm_head" in parts or any(p.startswith("lora_") for p in parts):
             continue
         match = _LAYER_RE.search(name)
         if match is None or _ROUTER_RE.search(name):

@@ -55,3 +55,37 @@ def stream_nbytes(pairs: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
     sent = sum(t.numel() * t.element_size() for _, t in pairs)
     bf16 = sum(t.numel() * 2 for name, t in pairs if not name.endswith("_scale_inv"))
     return sent, bf16
+
+
+def iter_hp_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The high-precision stream: every parameter as the learner holds it (for a BF16 sampler)."""
+    for name, param in model.named_parameters():
+        yield name, param.detach()
+
+
+@torch.no_grad()
+def load_state_stream(model: nn.Module, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """Copies a state stream into `model`'s parameters and buffers of the same names, all or nothing.
+
+    Every pair is checked first (known name, same shape, same dtype) and every tensor of `model` must be covered
+    (tied tensors once): a missing `weight_scale_inv` is an error, never a silent 1.0. Only then is anything copied,
+    so a bad stream leaves `model` on its last good weights.
+    """
+    targets = model.state_dict(keep_vars=True)
+    problems = []
+    for name, tensor in pairs:
+        target = targets.get(name)
+        if target is None:
+            problems.append(f"{name}: not a tensor of the sampler")
+        elif tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
+            problems.append(
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the sampler holds {tuple(target.shape)} {target.dtype}"
+            )
+    covered = {targets[name].data_ptr() for name, _ in pairs if name in targets}
+    missing = sorted({n for n, t in targets.items() if t.data_ptr() not in covered})
+    if missing:
+        problems.append(f"missing from the stream: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    if problems:
+        raise ValueError("refusing to load the FP8 state stream; nothing was changed:\n  " + "\n  ".join(problems))
+    for name, tensor in pairs:
+        targets[name].copy_(tensor)

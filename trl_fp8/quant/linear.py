@@ -8,9 +8,28 @@ all reuse one quantization per optimizer step. Being an `nn.Linear` subclass tha
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backends import resolve_backend
 from .blockwise import quantize_blockwise
+
+
+# Fused optimizers (transformers' default `adamw_torch_fused`) update parameters without bumping their version
+# counters, so a version alone cannot tell that a weight changed. Every optimizer step bumps this epoch instead.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def weights_epoch() -> int:
+    """How many optimizer steps (of any optimizer) have run in this process."""
+    return _optimizer_steps
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -132,9 +151,10 @@ class FP8Linear(nn.Linear):
 
     @torch.no_grad()
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes."""
+        """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes:
+        an optimizer step, an in-place write (version counter) or a new tensor."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
+        key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
         if self._w_cache is None or self._w_cache[0] != key:
             q, s = quantize_blockwise(w, self.weight_block_size, pow2_scales=self.pow2_scales, name=self.fp8_name)
             self._w_cache = (key, q, s)

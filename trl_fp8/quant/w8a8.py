@@ -69,8 +69,9 @@ class W8A8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale_inv = quantize_per_token_group(x, 128)
         x_dq = dequantize_blockwise(xq, x_scale_inv, (1, 128))
-        # [..., K] @ [K, N] -> [..., N]
-        y = x_dq @ self.dequantized_weight().t()
+        with torch.autocast(x.device.type, enabled=False):
+            # [..., K] @ [K, N] -> [..., N], accumulated in fp32
+            y = x_dq @ self.dequantized_weight().t()
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)

@@ -24,4 +24,6 @@ def gemm(
     """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in `b_block` blocks along K -> (M, N) in `out_dtype`."""
     a_hp = dequantize_blockwise(a, a_scale_inv, (1, 128))
     b_hp = dequantize_blockwise(b, b_scale_inv, b_block)
-    return (a_hp @ b_hp.t()).to(out_dtype)
+    # A surrounding autocast (Trainer's bf16 on CPU) would run this matmul in bf16: the oracle accumulates in fp32.
+    with torch.autocast(a.device.type, enabled=False):
+        return (a_hp @ b_hp.t()).to(out_dtype)

@@ -1,0 +1,258 @@
+"""FP8GRPOTrainer as a drop-in GRPOTrainer: TRL's own test patterns, on a real tiny Llama, a real tokenizer and a
+real `datasets.Dataset`, all built in-process."""
+
+import pytest
+import torch
+from conftest import tiny_policy
+from datasets import Dataset
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8.demo.task import accuracy_reward, make_dataset
+from trl_fp8.quant import FP8Linear, W8A8Linear, quantize_blockwise
+
+
+def digit_reward(completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversational: messages
+    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
+
+
+def make_args(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        learning_rate=0.1,  # large, so that every parameter visibly moves in two steps
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,  # short completions keep CPU steps well under a second
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return FP8GRPOConfig(**kwargs)
+
+
+def train_and_check(trainer):
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    for n, p in trainer.model.named_parameters():
+        assert not torch.equal(p, before[n]), f"parameter {n} did not change"
+    return trainer.state.log_history
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_train_loss_types(tmp_path, demo_tokenizer, loss_type):
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path, loss_type=loss_type),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    assert all(isinstance(trainer.model.get_submodule(f"model.layers.{i}.mlp.down_proj"), FP8Linear) for i in (0, 1))
+    logs = train_and_check(trainer)
+    keys = set().union(*logs)
+    for key in ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob_ratio", "fp8/sync_bytes"):
+        assert key in keys, key
+
+
+def test_train_multiple_iterations(tmp_path, demo_tokenizer):
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path, num_iterations=2, max_steps=3),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    train_and_check(trainer)
+
+
+def test_train_beta_non_zero_converts_the_reference_model(tmp_path, demo_tokenizer):
+    # TRL builds the reference model from the policy's path: save the tiny model locally (no Hub).
+    path = tmp_path / "policy"
+    tiny_policy(demo_tokenizer).save_pretrained(path)
+    demo_tokenizer.save_pretrained(path)
+    trainer = FP8GRPOTrainer(
+        model=str(path),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path / "out", beta=0.1),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    assert isinstance(trainer.ref_model.model.layers[0].self_attn.q_proj, FP8Linear)
+    logs = train_and_check(trainer)
+    assert any("kl" in log for log in logs)
+
+
+def test_train_with_eval(tmp_path, demo_tokenizer):
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=[digit_reward, accuracy_reward],
+        args=make_args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
+        train_dataset=make_dataset(16),
+        eval_dataset=make_dataset(8, seed=1),
+        processing_class=demo_tokenizer,
+    )
+    logs = train_and_check(trainer)
+    assert any("eval_loss" in log for log in logs)
+
+
+def test_train_conversational_prompts(tmp_path, demo_tokenizer):
+    demo_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    data = make_dataset(16)
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": p}] for p in data["prompt"]], "answer": data["answer"]}
+    )
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path),
+        train_dataset=dataset,
+        processing_class=demo_tokenizer,
+    )
+    train_and_check(trainer)
+
+
+def test_sampler_holds_the_learners_fp8_weights_bit_for_bit(tmp_path, demo_tokenizer):
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    trainer.train()  # one optimizer step: the master weights moved
+    trainer.vllm_generation.sync_weights()
+    sampler = trainer.vllm_generation.sampler
+    checked = 0
+    for name, module in trainer.model.named_modules():
+        if isinstance(module, FP8Linear):
+            target = sampler.get_submodule(name)
+            assert isinstance(target, W8A8Linear)
+            q, s = module.quantized_weight()
+            q_ref, s_ref = quantize_blockwise(module.weight.detach(), (128, 128))
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), name  # the cache is current
+            assert torch.equal(target.weight.view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(target.weight_scale_inv, s), name
+            checked += 1
+    assert checked == 14
+    assert torch.equal(sampler.lm_head.weight, trainer.model.lm_head.weight.detach())
+
+
+def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_tokenizer):
+    # FP8 sampler, high-precision learner: a real mismatch. A cap just above 1 makes TRL truncate many tokens.
+    clip_max = 1.0005
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path, fp8_training=False, vllm_importance_sampling_clip_max=clip_max),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    batch = [make_dataset(16)[i] for i in range(4)]
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before the first step
+    inputs = trainer._generate_and_score_completions(batch)
+    ratio = inputs["importance_sampling_ratio"]
+    raw = torch.exp((inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]) * inputs["completion_mask"])
+    torch.testing.assert_close(ratio, raw.clamp(max=clip_max))
+    assert (raw > clip_max).any() and ratio.max() <= clip_max
+    assert trainer._metrics["train"]["sampling/is_oob_ratio"][-1] > 0
+
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss_without_is = trainer.compute_loss(
+            trainer.model, {**inputs, "importance_sampling_ratio": torch.ones_like(ratio)}
+        )
+    assert not torch.isclose(loss, loss_without_is)
+
+
+def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer):
+    temperature = 0.7
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path, temperature=temperature, max_completion_length=6),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    engine = trainer.vllm_generation
+    engine.sync_weights()
+    prompts = [demo_tokenizer(p)["input_ids"] for p in make_dataset(4)["prompt"]]
+    prompt_ids, completion_ids, logprobs, _ = engine.generate(prompts, None, 1)
+    assert prompt_ids == prompts
+    for prompt, completion, lps in zip(prompts, completion_ids, logprobs, strict=True):
+        assert len(completion) == len(lps) > 0
+        eos = demo_tokenizer.eos_token_id
+        assert eos not in completion[:-1]
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = engine.sampler(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor([lp[0] for lp in lps]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_tokenizer):
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=make_args(tmp_path),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    engine = trainer.vllm_generation
+    engine.sync_weights()
+    before = {k: v.clone() for k, v in engine.sampler.state_dict().items()}
+    pairs = engine.state_stream()
+    pairs = [(n, t * 2 if n.endswith("q_proj.weight_scale_inv") else t) for n, t in pairs]  # valid, would change
+    pairs = [p for p in pairs if not p[0].endswith("layers.1.mlp.up_proj.weight_scale_inv")]  # a scale goes missing
+    from trl_fp8.quant.export import load_state_stream
+
+    with pytest.raises(ValueError, match=r"missing from the stream: model.layers.1.mlp.up_proj.weight_scale_inv"):
+        load_state_stream(engine.sampler, pairs)
+    bad_dtype = [
+        (n, t.float() if n.endswith("layers.0.self_attn.k_proj.weight") else t) for n, t in engine.state_stream()
+    ]
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj.weight: got \(128, 256\) torch.float32"):
+        load_state_stream(engine.sampler, bad_dtype)
+    for k, v in engine.sampler.state_dict().items():
+        assert torch.equal(
+            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+            before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k],
+        ), k
+
+
+def test_config_defaults_and_contradictions(tmp_path):
+    args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert args.vllm_importance_sampling_mode == "token_truncate"
+    assert args.vllm_importance_sampling_clip_max == 2.0
+    assert args.resolved_fp8_recipe == FP8Recipe()
+    assert FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe='{"pow2_scales": true}').resolved_fp8_recipe.pow2_scales
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="loss_type='vespo' needs vllm_importance_sampling_mode"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
+    with pytest.raises(ValueError, match=r"fp8_recipe: unknown FP8Recipe fields \['blocks'\]"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe={"blocks": 3})
+
+
+def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match=r"replace GRPOConfig\(...\) by FP8GRPOConfig"):
+        FP8GRPOTrainer(
+            model=tiny_policy(demo_tokenizer),
+            reward_funcs=digit_reward,
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+            train_dataset=make_dataset(8),
+            processing_class=demo_tokenizer,
+        )

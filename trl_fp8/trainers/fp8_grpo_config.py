@@ -1,0 +1,115 @@
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from ..recipe import FP8Recipe
+
+
+@dataclass
+class FP8GRPOConfig(GRPOConfig):
+    # docstyle-ignore
+    r"""
+    Configuration class for [`FP8GRPOTrainer`]: every [`trl.GRPOConfig`] parameter, plus the FP8 recipe.
+
+    Sampling always runs in an engine separate from the learner (the FP8 reference engine of `trl_fp8.generation`),
+    so the learner/sampler mismatch is real and TRL's importance-sampling correction applies to it.
+
+    Parameters:
+        > Parameters that control FP8
+
+        fp8_recipe (`FP8Recipe`, `dict`, `str` or `None`, *optional*, defaults to `None`):
+            The FP8 recipe: an [`FP8Recipe`], a dict of its fields (or that dict as a JSON string, from the command
+            line), or a path to a recipe file / a folder holding `fp8_recipe.json`. `None` means `FP8Recipe()`:
+            E4M3, 128x128 weight blocks, 1x128 activation blocks, fp32 scales.
+        fp8_training (`bool`, *optional*, defaults to `True`):
+            Run the learner's decoder linears in FP8 (forward, and both backward GEMMs). The old-logprob and
+            reference-model passes run in the same numerics, so the PPO ratio is ~1 on-policy.
+        fp8_generation (`bool`, *optional*, defaults to `True`):
+            Sample with W8A8 block-FP8 linears whose weights and scales are the learner's own quantization (or the
+            recipe's quantization of the learner's weights when `fp8_training=False`: "FP8 generation only").
+        fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
+            Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
+            `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch.
+
+        > Parameters of [`trl.GRPOConfig`] whose defaults change
+
+        vllm_importance_sampling_mode (`str`, *optional*, defaults to `"token_truncate"`):
+            Token-level truncated importance sampling, the FP8 recipe's correction (NeMo RL, verl, slime).
+        vllm_importance_sampling_clip_max (`float`, *optional*, defaults to `2.0`):
+            The truncation cap C of token-level TIS that NeMo RL, verl and slime use.
+
+    The importance-sampling fields keep their TRL names (`vllm_importance_sampling_*`) but apply to whichever
+    engine samples.
+    """
+
+    fp8_recipe: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "The FP8 recipe: a dict of FP8Recipe fields (a JSON string on the command line), or a path to a "
+            "recipe file or a folder holding fp8_recipe.json. Defaults to FP8Recipe()."
+        },
+    )
+    fp8_training: bool = field(
+        default=True,
+        metadata={"help": "Run the learner's decoder linears in FP8 (forward, dgrad and wgrad)."},
+    )
+    fp8_generation: bool = field(
+        default=True,
+        metadata={"help": "Sample with W8A8 block-FP8 linears holding the learner's own FP8 weights and scales."},
+    )
+    fp8_mismatch_metrics: bool = field(
+        default=True,
+        metadata={
+            "help": "Log sampling/token_mult_prob_error, sampling/gen_kl and sampling/is_oob_ratio every step "
+            "(one extra forward per generation batch when the importance-sampling correction is off)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "Importance-sampling mode: 'token_truncate' (the FP8 recipe's default), 'token_mask', "
+            "'sequence_truncate' or 'sequence_mask'."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=2.0,
+        metadata={"help": "Importance-sampling cap C_max; 2.0 is the token-level TIS cap of the FP8 recipe."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        recipe = self.fp8_recipe
+        if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
+            recipe = json.loads(recipe)
+        try:
+            self._fp8_recipe = FP8Recipe.from_any(recipe)
+        except ValueError as err:
+            raise ValueError(f"fp8_recipe: {err}") from err
+        if not isinstance(self.fp8_recipe, str):
+            self.fp8_recipe = self._fp8_recipe.to_dict()  # JSON-native, so TrainingArguments can serialize it
+        if self.use_vllm:
+            raise ValueError(
+                "use_vllm=True is not supported by this version of trl-fp8: FP8GRPOTrainer samples with its FP8 "
+                "reference engine (set use_vllm=False). Colocated vLLM in block FP8 is planned."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "use_transformers_continuous_batching=True conflicts with FP8GRPOTrainer's sampling engine; set it to "
+                "False (FP8GRPOTrainer always samples with its own engine)."
+            )
+        if (
+            self.loss_type == "vespo"
+            and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):
+            raise ValueError(
+                "loss_type='vespo' needs vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                f"{self.vllm_importance_sampling_mode!r}."
+            )
+
+    @property
+    def resolved_fp8_recipe(self) -> FP8Recipe:
+        """The `FP8Recipe` that `fp8_recipe` describes."""
+        return self._fp8_recipe

@@ -1,0 +1,139 @@
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import get_config_model_id
+
+from ..generation.reference import ReferenceEngine
+from ..quant.convert import convert_to_fp8
+from .fp8_grpo_config import FP8GRPOConfig
+
+
+class FP8GRPOTrainer(GRPOTrainer):
+    """
+    [`trl.GRPOTrainer`] with FP8 in both generation and training (NVIDIA NeMo RL's end-to-end FP8 recipe).
+
+    Same constructor as [`trl.GRPOTrainer`]; pass an [`FP8GRPOConfig`]. What changes w.r.t. `GRPOTrainer`:
+
+    - `__init__`: converts the policy's decoder linears to `FP8Linear` with the recipe (and the reference model's when
+      `beta > 0`, so the KL is measured in the same numerics). Every forward TRL runs for new, old and reference
+      log-probs therefore runs in FP8. It then puts the FP8 reference engine in TRL's sampling-engine slot
+      (`self.vllm_generation`): TRL syncs it after each optimizer step and applies its importance-sampling
+      correction (`vllm_importance_sampling_*`) to the engine's log-probs exactly as it does to vLLM's.
+    - `_generate_and_score_completions`: calls TRL's, then logs the mismatch metrics NeMo RL and verl log
+      (`sampling/token_mult_prob_error`, `sampling/gen_kl`, `sampling/is_oob_ratio`) and the sync cost
+      (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`).
+
+    The loss, the IS correction, the optimizer and the sync schedule are TRL's, unchanged.
+    """
+
+    _tag_names = ["trl", "grpo", "fp8"]
+    _name = "FP8 GRPO"
+
+    def __init__(self, model, reward_funcs=None, args: FP8GRPOConfig | None = None, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = FP8GRPOConfig(f"{model_name.split('/')[-1]}-FP8-GRPO")
+        elif not isinstance(args, FP8GRPOConfig):
+            raise TypeError(
+                f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}: replace GRPOConfig(...) by "
+                "FP8GRPOConfig(...) with the same arguments."
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        recipe = args.resolved_fp8_recipe
+        if args.fp8_training:
+            convert_to_fp8(self.accelerator.unwrap_model(self.model), recipe)
+            if self.ref_model is not None:
+                convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
+
+        if args.bf16:
+            sampler_dtype = torch.bfloat16
+        elif args.fp16:
+            sampler_dtype = torch.float16
+        else:
+            sampler_dtype = self.accelerator.unwrap_model(self.model).dtype
+        # TRL's sampling-engine slot: GRPOTrainer calls `sync_weights()` and `generate()` on it and, with
+        # `use_vllm` set, computes the importance-sampling ratio from the log-probs it returns.
+        self.vllm_generation = ReferenceEngine(
+            self.model,
+            self.accelerator,
+            recipe,
+            fp8=args.fp8_generation,
+            dtype=sampler_dtype,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self._tokenizer.pad_token_id,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            max_completion_length=self.max_completion_length,
+            generation_kwargs=args.generation_kwargs,
+        )
+        self.use_vllm = True
+        self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
+        self._last_loaded_step = -1
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        sync = self.vllm_generation.last_sync
+        if sync is not None:
+            self.vllm_generation.last_sync = None
+            self._metrics[mode]["fp8/sync_seconds"].append(sync["seconds"])
+            self._metrics[mode]["fp8/sync_bytes"].append(sync["bytes"])
+            self._metrics[mode]["fp8/sync_bf16_bytes"].append(sync["bf16_bytes"])
+        if self.args.fp8_mismatch_metrics and "sampling_per_token_logps" in output:
+            self._log_mismatch(output, mode)
+        return output
+
+    @torch.no_grad()
+    def _learner_logps(self, output) -> torch.Tensor:
+        """Learner log-probs of the sampled tokens, for metrics when TRL did not compute them (IS off)."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model,
+            input_ids,
+            attention_mask,
+            output["completion_ids"].size(1),
+            batch_size=self.args.per_device_train_batch_size,
+        )
+        return logps
+
+    def _log_mismatch(self, output, mode: str) -> None:
+        gen = output["sampling_per_token_logps"]
+        train = output.get("old_per_token_logps")
+        if train is None:
+            train = self._learner_logps(output)
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        mask = mask.bool() & ~torch.isnan(gen)
+        d = torch.nan_to_num(train - gen, nan=0.0)
+        # The share of tokens whose raw learner/sampler ratio falls outside [clip_min, clip_max]: those the
+        # correction truncates or masks (per token, or through their sequence in sequence_* modes).
+        log_ratio = d * mask
+        if self.vllm_importance_sampling_mode.startswith("sequence"):
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(d)
+        ratio = torch.exp(log_ratio)
+        clip_max = self.vllm_importance_sampling_clip_max
+        clip_min = self.vllm_importance_sampling_clip_min
+        oob = torch.zeros_like(mask)
+        if clip_max is not None:
+            oob |= ratio > clip_max
+        if clip_min is not None:
+            oob |= ratio < clip_min
+        maskf = mask.float()
+        sums = torch.stack(
+            [
+                (torch.exp(d.abs()) * maskf).sum(),
+                ((torch.exp(d) - 1 - d) * maskf).sum(),
+                (oob.float() * maskf).sum(),
+                maskf.sum(),
+            ]
+        )
+        # Sums then one division: exact token means over all ranks, whatever each rank's token count.
+        mult_err, gen_kl, oob_count, count = self.accelerator.gather(sums.unsqueeze(0)).sum(0).tolist()
+        if count > 0:
+            self._metrics[mode]["sampling/token_mult_prob_error"].append(mult_err / count)
+            self._metrics[mode]["sampling/gen_kl"].append(gen_kl / count)
+            self._metrics[mode]["sampling/is_oob_ratio"].append(oob_count / count)
