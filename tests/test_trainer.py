@@ -234,13 +234,17 @@ def test_config_defaults_and_contradictions(tmp_path):
     assert args.vllm_importance_sampling_mode == "token_truncate"
     assert args.vllm_importance_sampling_clip_max == 2.0
     assert args.resolved_fp8_recipe == FP8Recipe()
-    assert FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe='{"pow2_scales": true}').resolved_fp8_recipe.pow2_scales
+    assert FP8GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, fp8_recipe='{"pow2_scales": true}'
+    ).resolved_fp8_recipe.pow2_scales
     with pytest.raises(ValueError, match="use_vllm=True"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
     with pytest.raises(ValueError, match="loss_type='vespo' needs vllm_importance_sampling_mode"):
-        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
+        FP8GRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask"
+        )
     with pytest.raises(ValueError, match=r"fp8_recipe: unknown FP8Recipe fields \['blocks'\]"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe={"blocks": 3})
 

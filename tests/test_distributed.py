@@ -1,0 +1,37 @@
+"""A real two-process DDP run on CPU (gloo) through `accelerate launch`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import tiny_policy
+
+from trl_fp8.demo.make_model import build_tokenizer
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_two_steps.py"
+
+
+def test_two_process_ddp_ends_with_identical_weights(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # `--multi_gpu` selects accelerate's torchrun launcher; the script's `use_cpu=True` makes each rank a CPU
+    # process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start a single process).
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", "29517",
+        str(SCRIPT), str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
+    steps = [log for log in ranks[0]["log_history"] if "loss" in log]
+    assert len(steps) == 2 and all("sampling/token_mult_prob_error" in log for log in steps)
+    for name, p0 in ranks[0]["params"].items():
+        assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
+    initial = tiny_policy(build_tokenizer())
+    moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach(), ranks[0]["params"][n])]
+    assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
