@@ -5,12 +5,14 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from transformers.utils import PushToHubMixin
+
 
 RECIPE_NAME = "fp8_recipe.json"
 
 
 @dataclass
-class FP8Recipe:
+class FP8Recipe(PushToHubMixin):
     r"""
     The FP8 recipe of DESIGN §1: E4M3 everywhere, 128x128 weight blocks, 1x128 activation and gradient blocks, fp32
     (or power-of-2) scales; attention, norms, embeddings, `lm_head` and MoE routers stay in high precision.
@@ -74,6 +76,67 @@ class FP8Recipe:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> str:
+        """Writes `fp8_recipe.json` (with the writing `trl_fp8_version`) into `save_directory`; returns its path.
+        `**kwargs` are accepted for `push_to_hub`, which passes its own."""
+        from . import __version__
+
+        if os.path.isfile(save_directory):
+            raise ValueError(f"save_directory {save_directory!r} is a file, expected a folder")
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, RECIPE_NAME)
+        with open(path, "w") as f:
+            f.write(json.dumps({**self.to_dict(), "trl_fp8_version": __version__}, indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_recipe_name_or_path: str | os.PathLike,
+        *,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> "FP8Recipe":
+        """Loads a recipe from a local folder or file, or from a Hub repository holding `fp8_recipe.json`."""
+        path = os.fspath(pretrained_recipe_name_or_path)
+        local = os.path.join(path, subfolder) if subfolder else path
+        if os.path.isdir(local):
+            local = os.path.join(local, RECIPE_NAME)
+        if not os.path.isfile(local):
+            from huggingface_hub import hf_hub_download
+
+            try:
+                local = hf_hub_download(
+                    path, RECIPE_NAME, subfolder=subfolder, revision=revision, token=token, cache_dir=cache_dir
+                )
+            except Exception as exc:
+                raise ValueError(
+                    f"can't find '{RECIPE_NAME}' at '{path}' (a local folder or a Hub repository)"
+                ) from exc
+        with open(local) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{local} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{local} must hold a JSON object of FP8Recipe fields")
+        return cls.from_dict(data)
+
+    def to_quantization_config(self, modules_to_not_convert: list[str] | None = None) -> dict[str, Any]:
+        """The `quantization_config` that vLLM (`Fp8Config`) and transformers (`FineGrainedFP8Config`) read for a
+        checkpoint in this recipe's format; `modules_to_not_convert` lists the linears kept in high precision."""
+        config = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(self.weight_block_size),
+        }
+        if modules_to_not_convert:
+            config["modules_to_not_convert"] = list(modules_to_not_convert)
+        return config
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FP8Recipe":
         known = {f.name for f in fields(cls)}
@@ -84,17 +147,11 @@ class FP8Recipe:
 
     @classmethod
     def from_any(cls, value: "FP8Recipe | dict | str | os.PathLike | None") -> "FP8Recipe":
-        """Accepts a recipe, a dict of its fields, a JSON file, or a folder holding `fp8_recipe.json`."""
+        """Accepts a recipe, a dict of its fields, a JSON file, a folder holding `fp8_recipe.json` or a Hub id."""
         if value is None:
             return cls()
         if isinstance(value, FP8Recipe):
             return value
         if isinstance(value, dict):
             return cls.from_dict(value)
-        path = os.fspath(value)
-        if os.path.isdir(path):
-            path = os.path.join(path, RECIPE_NAME)
-        if not os.path.isfile(path):
-            raise ValueError(f"fp8_recipe {value!r} is neither a recipe file nor a folder holding {RECIPE_NAME}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_pretrained(value)

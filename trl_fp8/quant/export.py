@@ -89,3 +89,29 @@ def load_state_stream(model: nn.Module, pairs: list[tuple[str, torch.Tensor]]) -
         raise ValueError("refusing to load the FP8 state stream; nothing was changed:\n  " + "\n  ".join(problems))
     for name, tensor in pairs:
         targets[name].copy_(tensor)
+
+
+def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:
+    """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
+    plus `config.json` with the recipe's `quantization_config` (the high-precision linears listed in
+    `modules_to_not_convert`). Returns the names of the FP8 weights."""
+    import copy
+    import os
+
+    from safetensors.torch import save_file
+
+    converted = getattr(model, "fp8_recipe", None) is not None
+    tensors = dict(iter_fp8_state(model, None if converted else recipe))
+    fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]
+    fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
+    kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in fp8_modules]
+    os.makedirs(save_directory, exist_ok=True)
+    save_file(
+        {n: t.contiguous().cpu() for n, t in tensors.items()},
+        os.path.join(save_directory, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    config = copy.deepcopy(model.config)
+    config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
+    config.save_pretrained(save_directory)
+    return fp8_weights

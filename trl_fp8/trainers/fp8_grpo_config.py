@@ -29,6 +29,11 @@ class FP8GRPOConfig(GRPOConfig):
         fp8_generation (`bool`, *optional*, defaults to `True`):
             Sample with W8A8 block-FP8 linears whose weights and scales are the learner's own quantization (or the
             recipe's quantization of the learner's weights when `fp8_training=False`: "FP8 generation only").
+        fp8_save_format (`str`, *optional*, defaults to `"bf16"`):
+            What `trainer.save_model()` writes: `"bf16"`, the high-precision master weights (a regular checkpoint), or
+            `"fp8"`, a block-FP8 checkpoint (the sampler's e4m3 weights + `weight_scale_inv`, with a
+            `quantization_config` that vLLM and transformers' `FineGrainedFP8Config` read). Intermediate checkpoints
+            (`save_steps`) always hold the master weights, so `resume_from_checkpoint` continues exactly.
         fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
             Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
             `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch.
@@ -58,6 +63,14 @@ class FP8GRPOConfig(GRPOConfig):
     fp8_generation: bool = field(
         default=True,
         metadata={"help": "Sample with W8A8 block-FP8 linears holding the learner's own FP8 weights and scales."},
+    )
+    fp8_save_format: str = field(
+        default="bf16",
+        metadata={
+            "help": "What save_model() writes: 'bf16' (the master weights) or 'fp8' (a block-FP8 checkpoint that vLLM "
+            "and transformers load). Intermediate checkpoints always hold the master weights.",
+            "choices": ["bf16", "fp8"],
+        },
     )
     fp8_mismatch_metrics: bool = field(
         default=True,
@@ -89,6 +102,8 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(f"fp8_recipe: {err}") from err
         if not isinstance(self.fp8_recipe, str):
             self.fp8_recipe = self._fp8_recipe.to_dict()  # JSON-native, so TrainingArguments can serialize it
+        if self.fp8_save_format not in ("bf16", "fp8"):
+            raise ValueError(f"fp8_save_format must be 'bf16' or 'fp8', got {self.fp8_save_format!r}")
         if self.use_vllm:
             raise ValueError(
                 "use_vllm=True is not supported by this version of trl-fp8: FP8GRPOTrainer samples with its FP8 "

@@ -4,6 +4,7 @@ from trl.trainer.utils import get_config_model_id
 
 from ..generation.reference import ReferenceEngine
 from ..quant.convert import convert_to_fp8
+from ..quant.export import save_fp8_checkpoint
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -21,6 +22,9 @@ class FP8GRPOTrainer(GRPOTrainer):
     - `_generate_and_score_completions`: calls TRL's, then logs the mismatch metrics NeMo RL and verl log
       (`sampling/token_mult_prob_error`, `sampling/gen_kl`, `sampling/is_oob_ratio`) and the sync cost
       (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`).
+
+    - `save_model`: with `fp8_save_format="fp8"`, writes the block-FP8 checkpoint of the export stream; always writes
+      the recipe (`fp8_recipe.json`) beside the weights.
 
     The loss, the IS correction, the optimizer and the sync schedule are TRL's, unchanged.
     """
@@ -71,6 +75,23 @@ class FP8GRPOTrainer(GRPOTrainer):
         self.use_vllm = True
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
         self._last_loaded_step = -1
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            self.args.resolved_fp8_recipe.save_pretrained(output_dir)
+        # Checkpoints written during training keep the master weights: resuming from FP8 would lose them.
+        if self.args.fp8_save_format == "fp8" and not _internal_call:
+            if self.args.should_save:
+                save_fp8_checkpoint(
+                    self.accelerator.unwrap_model(self.model), output_dir, self.args.resolved_fp8_recipe
+                )
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+            if self.args.push_to_hub:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        else:
+            super().save_model(output_dir, _internal_call=_internal_call)
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)

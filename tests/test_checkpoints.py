@@ -1,0 +1,133 @@
+"""Recipes and checkpoints: round trips through local folders (the Hub path is the same code with a repo id)."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_policy
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8.demo.task import make_dataset
+from trl_fp8.quant import FP8Linear, dequantize_blockwise
+from trl_fp8.recipe import RECIPE_NAME
+
+
+def digit_reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def test_recipe_round_trip(tmp_path):
+    recipe = FP8Recipe(pow2_scales=True, num_last_layers_in_bf16=2, modules_to_not_convert=["mlp.down_proj"])
+    path = recipe.save_pretrained(tmp_path)
+    data = json.loads(open(path).read())
+    assert data["trl_fp8_version"] and data["pow2_scales"] is True
+    assert FP8Recipe.from_pretrained(tmp_path) == recipe
+    assert FP8Recipe.from_any(str(tmp_path)) == recipe
+    assert (
+        FP8GRPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, fp8_recipe=str(tmp_path)).resolved_fp8_recipe
+        == recipe
+    )
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ({"pow2_scales": True, "blocksize": 64}, r"unknown FP8Recipe fields \['blocksize'\]"),
+        ({"backend": "tpu"}, r"FP8Recipe.backend must be one of"),
+        ([1, 2], "must hold a JSON object"),
+    ],
+)
+def test_invalid_recipe_files_are_rejected_with_named_fields(tmp_path, content, match):
+    (tmp_path / RECIPE_NAME).write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=match):
+        FP8Recipe.from_pretrained(tmp_path)
+
+
+def test_quantization_config():
+    assert FP8Recipe().to_quantization_config(["lm_head"]) == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"],
+    }
+
+
+def trainer_for(tmp_path, tokenizer, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        learning_rate=0.05,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=3,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return FP8GRPOTrainer(
+        model=tiny_policy(tokenizer),
+        reward_funcs=digit_reward,
+        args=FP8GRPOConfig(**kwargs),
+        train_dataset=make_dataset(32),
+        processing_class=tokenizer,
+    )
+
+
+def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
+    trainer = trainer_for(tmp_path, demo_tokenizer, max_steps=1, fp8_save_format="fp8")
+    trainer.train()
+    out = tmp_path / "fp8"
+    trainer.save_model(str(out))
+    assert (out / RECIPE_NAME).exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert config["quantization_config"]["modules_to_not_convert"] == ["lm_head"]
+
+    # On CPU transformers' FineGrainedFP8Config dequantizes the checkpoint at load time.
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    learner = trainer.model
+    for name, module in learner.named_modules():
+        if isinstance(module, FP8Linear):
+            expected = dequantize_blockwise(*module.quantized_weight())
+            got = loaded.get_submodule(name).weight.float()
+            assert torch.equal(got, expected.to(got.dtype).float()), name
+    ids = torch.randint(0, 19, (2, 12))
+    with torch.no_grad():
+        ref = learner(ids).logits  # FP8 weights and FP8 activations
+        out_logits = loaded(ids).logits  # the same FP8 weights, high-precision activations
+    sqnr = 20 * torch.log10(ref.norm() / (ref - out_logits).norm())
+    assert sqnr > 20, f"logits SQNR {sqnr:.1f} dB"
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer):
+    straight = trainer_for(tmp_path / "a", demo_tokenizer)
+    straight.train()
+    # Same schedule (max_steps=3), interrupted after the checkpoint at step 2.
+    first = trainer_for(tmp_path / "b", demo_tokenizer, save_strategy="steps", save_steps=2)
+    first.add_callback(StopAt(2))
+    first.train()
+    assert first.state.global_step == 2
+    resumed = trainer_for(tmp_path / "b", demo_tokenizer)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{name} differs after resuming")
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "b" / "checkpoint-2" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in saved.values()) and not any("_extra_state" in k for k in saved)
