@@ -18,14 +18,16 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from ..quant.convert import select_fp8_linears
+from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import iter_fp8_state, iter_hp_state, load_state_stream, stream_nbytes
 from ..quant.linear import weights_epoch
+from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
 
 
 def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dtype) -> nn.Module:
-    """An empty copy of `policy`'s architecture in `dtype`, with the recipe's linears as `W8A8Linear` if `fp8`."""
+    """An empty copy of `policy`'s architecture in `dtype`, with the recipe's linears as `W8A8Linear` (and fused
+    MoE experts as per-expert `W8A8Experts`) if `fp8`."""
     config = copy.deepcopy(policy.config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to(policy.device if hasattr(policy, "device") else "cpu").eval().requires_grad_(False)
@@ -38,6 +40,10 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
                 old.in_features, old.out_features, old.bias is not None, dtype=dtype, device=old.weight.device
             )
             setattr(parent, child, new)
+        for name in select_fp8_experts(model, recipe)[0]:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, W8A8Experts(getattr(parent, child), dtype=dtype))
     return model
 
 

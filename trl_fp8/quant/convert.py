@@ -1,4 +1,5 @@
-"""`convert_to_fp8(model, recipe)`: swap the decoder blocks' linears for `FP8Linear`, in place, names unchanged.
+"""`convert_to_fp8(model, recipe)`: swap the decoder blocks' linears for `FP8Linear` (and fused MoE experts for
+`FP8Experts`), in place, names unchanged.
 
 Only `nn.Linear` modules inside the decoder layers (`...layers.{i}...`) are candidates. Never converted: `lm_head`,
 embeddings and norms (not linears, or outside the layers), MoE routers (`...mlp.gate`, `...router`), anything the
@@ -56,6 +57,30 @@ def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     return selected, misaligned
 
 
+def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
+    """Like `select_fp8_linears`, for transformers' fused MoE experts (`gate_up_proj` (E, 2I, H), `down_proj`)."""
+    from .moe import is_fused_experts
+
+    config = getattr(model, "config", None)
+    selected, misaligned = [], []
+    for name, module in model.named_modules():
+        match = _LAYER_RE.search(name + ".")
+        if match is None or not is_fused_experts(module):
+            continue
+        layer = int(match.group(1))
+        num_layers = getattr(config, "num_hidden_layers", None) or layer + 1
+        if layer < recipe.num_first_layers_in_bf16 or layer >= num_layers - recipe.num_last_layers_in_bf16:
+            continue
+        if any(_matches(name, p) for p in recipe.modules_to_not_convert):
+            continue
+        _, two_i, hidden = module.gate_up_proj.shape
+        if (two_i // 2) % 128 or hidden % 128 or list(recipe.weight_block_size) != [128, 128]:
+            misaligned.append(f"{name} (experts {two_i // 2}x{hidden})")
+            continue
+        selected.append(name)
+    return selected, misaligned
+
+
 def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
     """Converts `model`'s decoder-layer linears to `FP8Linear` in place and returns `model`.
 
@@ -69,9 +94,12 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
     Converting an already converted model is a no-op for the modules already in FP8.
     """
     from ..recipe import FP8Recipe
+    from .moe import FP8Experts
 
     recipe = FP8Recipe.from_any(recipe)
     selected, misaligned = select_fp8_linears(model, recipe)
+    experts, misaligned_experts = select_fp8_experts(model, recipe)
+    misaligned += misaligned_experts
     if misaligned:
         warnings.warn(
             f"trl-fp8: {len(misaligned)} linear layer(s) have dims that are not multiples of the "
@@ -95,9 +123,19 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
                 name=name,
             ),
         )
+    for name in experts:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, child)
+        if not isinstance(module, FP8Experts):
+            kwargs = dict(backend=recipe.backend, pow2_scales=recipe.pow2_scales, name=name)
+            setattr(parent, child, FP8Experts(module, **kwargs))
     model.fp8_recipe = recipe
     return model
 
 
-def fp8_modules(model: nn.Module) -> dict[str, FP8Linear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The `FP8Linear` and `FP8Experts` modules of `model`, by name."""
+    from .moe import FP8Experts
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear | FP8Experts)}

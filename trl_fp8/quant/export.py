@@ -19,18 +19,34 @@ import torch
 from torch import nn
 
 from .blockwise import quantize_blockwise
-from .convert import select_fp8_linears
+from .convert import select_fp8_experts, select_fp8_linears
 from .linear import FP8Linear
+from .moe import FP8Experts, iter_expert_pairs
 
 
 def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the stream of `model` (unwrapped: no DDP `module.` prefix). Tied parameters appear once."""
     to_quantize: set[str] = set()
+    experts_to_quantize: set[str] = set()
     if recipe is not None:
         to_quantize = set(select_fp8_linears(model, recipe)[0])
+        experts_to_quantize = set(select_fp8_experts(model, recipe)[0])
     done: set[str] = set()
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, FP8Experts) or mod_name in experts_to_quantize:
+            fused = {}
+            for which in ("gate_up_proj", "down_proj"):
+                if isinstance(module, FP8Experts):
+                    fused[which] = module.quantized(which)
+                else:
+                    w = getattr(module, which).detach()
+                    fused[which] = quantize_blockwise(
+                        w, (128, 128), pow2_scales=recipe.pow2_scales, name=prefix + which
+                    )
+                done.add(prefix + which)
+            yield from iter_expert_pairs(prefix, fused["gate_up_proj"], fused["down_proj"])
+            continue
         if isinstance(module, FP8Linear):
             q, s = module.quantized_weight()
         elif mod_name in to_quantize:
@@ -48,6 +64,15 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
     for name, param in model.named_parameters():
         if name not in done:
             yield name, param.detach()
+    yield from _persistent_buffers(model)
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    # Checkpoint buffers (e.g. DeepSeek-V3's router `e_score_correction_bias`), not the recomputed ones (RoPE).
+    persistent = set(model.state_dict().keys())
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            yield name, buf.detach()
 
 
 def stream_nbytes(pairs: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
@@ -58,9 +83,10 @@ def stream_nbytes(pairs: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
 
 
 def iter_hp_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The high-precision stream: every parameter as the learner holds it (for a BF16 sampler)."""
+    """The high-precision stream: every parameter and checkpoint buffer as the learner holds it."""
     for name, param in model.named_parameters():
         yield name, param.detach()
+    yield from _persistent_buffers(model)
 
 
 @torch.no_grad()
@@ -104,7 +130,7 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     tensors = dict(iter_fp8_state(model, None if converted else recipe))
     fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]
     fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
-    kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in fp8_modules]
+    kept = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in fp8_modules]
     os.makedirs(save_directory, exist_ok=True)
     save_file(
         {n: t.contiguous().cpu() for n, t in tensors.items()},

@@ -5,6 +5,7 @@ from trl.trainer.utils import get_config_model_id
 from ..generation.reference import ReferenceEngine
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
+from ..quant.moe import capture_routing, is_fused_experts
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -21,7 +22,8 @@ class FP8GRPOTrainer(GRPOTrainer):
       correction (`vllm_importance_sampling_*`) to the engine's log-probs exactly as it does to vLLM's.
     - `_generate_and_score_completions`: calls TRL's, then logs the mismatch metrics NeMo RL and verl log
       (`sampling/token_mult_prob_error`, `sampling/gen_kl`, `sampling/is_oob_ratio`) and the sync cost
-      (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`).
+      (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`); for MoE models, `fp8/router_mismatch`, the
+      share of (token, layer) pairs whose top-k experts differ between sampler and learner on the same sequences.
 
     - `save_model`: with `fp8_save_format="fp8"`, writes the block-FP8 checkpoint of the export stream; always writes
       the recipe (`fp8_recipe.json`) beside the weights.
@@ -104,7 +106,36 @@ class FP8GRPOTrainer(GRPOTrainer):
             self._metrics[mode]["fp8/sync_bf16_bytes"].append(sync["bf16_bytes"])
         if self.args.fp8_mismatch_metrics and "sampling_per_token_logps" in output:
             self._log_mismatch(output, mode)
+            if self._is_moe:
+                self._log_router_mismatch(output, mode)
         return output
+
+    @property
+    def _is_moe(self) -> bool:
+        if not hasattr(self, "_is_moe_cache"):
+            self._is_moe_cache = any(is_fused_experts(m) for m in self.accelerator.unwrap_model(self.model).modules())
+        return self._is_moe_cache
+
+    @torch.no_grad()
+    def _log_router_mismatch(self, output, mode: str) -> None:
+        """One extra forward of each model on the batch (MoE only), recording the experts each token is sent to."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        sampler = self.vllm_generation.sampler
+        learner = self.accelerator.unwrap_model(self.model)
+        with capture_routing(sampler) as sampled:
+            sampler(input_ids=input_ids.to(sampler.device), attention_mask=attention_mask.to(sampler.device))
+        with capture_routing(learner) as learned:
+            learner(input_ids=input_ids, attention_mask=attention_mask)
+        valid = attention_mask.flatten().bool().cpu()
+        differ = sum(
+            int((s.sort(-1).values != t.sort(-1).values).any(-1)[valid].sum())
+            for s, t in zip(sampled, learned, strict=True)
+        )
+        counts = torch.tensor([[float(differ), float(valid.sum()) * len(sampled)]], device=self.accelerator.device)
+        differ, total = self.accelerator.gather(counts).sum(0).tolist()
+        if total > 0:
+            self._metrics[mode]["fp8/router_mismatch"].append(differ / total)
 
     @torch.no_grad()
     def _learner_logps(self, output) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Mixture-of-Experts in FP8 on tiny Qwen3-MoE and DeepSeek-V3-style models built in-process (4 experts, top-2)."""
+
+import pytest
+import torch
+from conftest import tiny_config_kwargs
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
+from trl_fp8.demo.task import make_dataset
+from trl_fp8.generation import build_sampler_model
+from trl_fp8.quant import dequantize_blockwise, iter_fp8_state, quantize_blockwise
+from trl_fp8.quant.export import load_state_stream
+from trl_fp8.quant.moe import FP8Experts, W8A8Experts
+
+
+def qwen3_moe(tokenizer=None, seed=0):
+    torch.manual_seed(seed)
+    ids = {} if tokenizer is None else dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3MoeConfig(
+        **tiny_config_kwargs(vocab_size=128, num_hidden_layers=2, **ids),
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
+def deepseek_v3(tokenizer=None, seed=0):
+    torch.manual_seed(seed)
+    ids = {} if tokenizer is None else dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+# Moonlight keeps MLA's low-rank projections in BF16 (NeMo RL's recipe).
+MOONLIGHT = FP8Recipe(modules_to_not_convert=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"])
+
+
+def test_per_expert_quantization_equals_quantizing_each_expert_alone():
+    model = convert_to_fp8(qwen3_moe(), FP8Recipe())
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, FP8Experts)
+    q, s = experts.quantized("gate_up_proj")
+    for e in range(4):
+        for part, rows in (("gate", slice(0, 128)), ("up", slice(128, 256))):
+            q_ref, s_ref = quantize_blockwise(experts.gate_up_proj[e, rows].detach(), (128, 128))
+            assert torch.equal(q[e, rows].view(torch.uint8), q_ref.view(torch.uint8)), (e, part)
+            assert torch.equal(s[e, rows.start // 128 : rows.stop // 128], s_ref), (e, part)
+
+
+@pytest.mark.parametrize(
+    "build,recipe", [(qwen3_moe, FP8Recipe()), (deepseek_v3, MOONLIGHT)], ids=["qwen3_moe", "deepseek_v3"]
+)
+def test_export_names_and_shapes_match_vllm_checkpoints(build, recipe):
+    model = convert_to_fp8(build(), recipe)
+    layer = 0 if build is qwen3_moe else 1
+    stream = dict(iter_fp8_state(model))
+    prefix = f"model.layers.{layer}.mlp.experts"
+    for e in range(4):
+        for proj, shape in (("gate_proj", (128, 256)), ("up_proj", (128, 256)), ("down_proj", (256, 128))):
+            w, s = stream[f"{prefix}.{e}.{proj}.weight"], stream[f"{prefix}.{e}.{proj}.weight_scale_inv"]
+            assert tuple(w.shape) == shape and w.dtype == torch.float8_e4m3fn
+            assert tuple(s.shape) == (shape[0] // 128, shape[1] // 128) and s.dtype == torch.float32
+    assert f"{prefix}.gate_up_proj" not in stream and f"{prefix}.down_proj" not in stream
+    router = f"model.layers.{layer}.mlp.gate.weight"
+    assert stream[router].dtype == torch.float32  # the router stays in high precision
+    if build is deepseek_v3:
+        assert stream["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float32  # Moonlight: MLA in BF16
+        assert stream["model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "build,recipe", [(qwen3_moe, FP8Recipe()), (deepseek_v3, MOONLIGHT)], ids=["qwen3_moe", "deepseek_v3"]
+)
+def test_export_to_reference_engine_round_trip_is_bit_identical(build, recipe):
+    learner = convert_to_fp8(build(), recipe)
+    sampler = build_sampler_model(learner, recipe, fp8=True, dtype=torch.float32)
+    experts = [m for m in sampler.modules() if isinstance(m, W8A8Experts)]
+    assert len(experts) == (2 if build is qwen3_moe else 1)
+    stream = list(iter_fp8_state(learner))
+    load_state_stream(sampler, stream)
+    state = sampler.state_dict()
+    for name, tensor in stream:
+        a = state[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else state[name]
+        b = tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+        assert torch.equal(a, b), name
+    # The sampler's experts compute with the learner's expert weights: same routing in, close outputs out.
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(sampler(ids).logits, learner(ids).logits, atol=0.05, rtol=0.05)
+    e0 = experts[0][0]
+    name = next(n for n, m in sampler.named_modules() if m is experts[0])
+    fused = dict(learner.named_modules())[name]
+    w_dq = dequantize_blockwise(*fused.quantized("down_proj"))[0]
+    assert torch.equal(e0.down_proj.dequantized_weight(), w_dq)
+
+
+@pytest.mark.parametrize(
+    "build,recipe", [(qwen3_moe, FP8Recipe()), (deepseek_v3, MOONLIGHT)], ids=["qwen3_moe", "deepseek_v3"]
+)
+def test_fp8_grpo_trains_moe_end_to_end(tmp_path, demo_tokenizer, build, recipe):
+    def digit_reward(completions, **kwargs):
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    args = FP8GRPOConfig(
+        output_dir=str(tmp_path),
+        learning_rate=0.1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+        fp8_recipe=recipe.to_dict(),
+    )
+    trainer = FP8GRPOTrainer(
+        model=build(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(log["loss"])) for log in logs)
+    for key in ("sampling/token_mult_prob_error", "fp8/router_mismatch"):
+        assert all(key in log for log in logs), key
+    assert all(0.0 <= log["fp8/router_mismatch"] <= 1.0 for log in logs)
+    for n, p in trainer.model.named_parameters():
+        assert not torch.equal(p, before[n]), f"parameter {n} did not change"

@@ -1,0 +1,139 @@
+"""Mixture-of-Experts in FP8: transformers' fused experts (`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)).
+
+Each expert's matrix is quantized in its own 128x128 blocks (the quantizer blocks the last two dims, so an (E, N, K)
+tensor is E independent weights). With I a multiple of 128, the blocks of the fused `gate_up_proj` never straddle
+gate and up, so slicing its quantization gives exactly what quantizing `gate_proj` and `up_proj` alone gives: the
+per-expert checkpoint tensors vLLM loads (`...mlp.experts.{e}.gate_proj.weight` + `weight_scale_inv`).
+
+- `FP8Experts` (learner): the fused Parameters, unchanged, with every expert GEMM (forward, dgrad, wgrad) in FP8.
+- `W8A8Experts` (sampler): per-expert `W8A8Linear`s in checkpoint names, vLLM's numerics.
+The router stays in high precision in both (it is not a fused-experts module).
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .backends import resolve_backend
+from .blockwise import quantize_blockwise
+from .linear import _FP8LinearFunction, weights_epoch
+from .w8a8 import W8A8Linear
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+
+
+def _route(num_experts: int, top_k_index: torch.Tensor):
+    """Yields `(expert, top_k_pos, token_idx)` for every expert that received tokens (transformers' loop)."""
+    with torch.no_grad():
+        expert_mask = nn.functional.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit[:, 0].tolist():
+        if e < num_experts:
+            top_k_pos, token_idx = torch.where(expert_mask[e])
+            yield e, top_k_pos, token_idx
+
+
+class FP8Experts(nn.Module):
+    """Fused experts with blockwise-FP8 GEMMs; holds the original module's Parameters (zero copy)."""
+
+    def __init__(self, experts: nn.Module, *, backend: str = "auto", pow2_scales: bool = False, name: str = ""):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.act_fn = experts.act_fn
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.backend, self.pow2_scales, self.fp8_name = backend, pow2_scales, name
+        self._cache: dict[str, tuple] = {}
+        self._backends: dict[torch.device, object] = {}
+
+    @torch.no_grad()
+    def quantized(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(q (E, N, K), scale_inv (E, N/128, K/128))` of `gate_up_proj` or `down_proj`, cached like FP8Linear."""
+        w = getattr(self, which)
+        key = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales)
+        if which not in self._cache or self._cache[which][0] != key:
+            q, s = quantize_blockwise(w, (128, 128), pow2_scales=self.pow2_scales, name=f"{self.fp8_name}.{which}")
+            self._cache[which] = (key, q, s)
+        return self._cache[which][1], self._cache[which][2]
+
+    def _linear(self, x, which: str, e: int):
+        q, s = self.quantized(which)
+        if x.device not in self._backends:
+            self._backends[x.device] = resolve_backend(self.backend, x.device)
+        weight = getattr(self, which)[e]  # a view: its gradient lands in the fused Parameter
+        return _FP8LinearFunction.apply(
+            x, weight, None, q[e], s[e], (128, 128), self._backends[x.device], self.pow2_scales
+        )
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e, top_k_pos, token_idx in _route(self.num_experts, top_k_index):
+            gate, up = self._linear(hidden_states[token_idx], "gate_up_proj", e).chunk(2, dim=-1)
+            h = self._linear(self.act_fn(gate) * up, "down_proj", e)
+            h = h * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, h.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}, fp8=e4m3 w128x128/x1x128"
+
+
+class _W8A8Expert(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype, device):
+        super().__init__()
+        self.gate_proj = W8A8Linear(hidden, intermediate, False, dtype=dtype, device=device)
+        self.up_proj = W8A8Linear(hidden, intermediate, False, dtype=dtype, device=device)
+        self.down_proj = W8A8Linear(intermediate, hidden, False, dtype=dtype, device=device)
+
+
+class W8A8Experts(nn.ModuleList):
+    """Sampler-side experts in vLLM's per-expert checkpoint names (`experts.{e}.gate_proj.weight`, ...)."""
+
+    def __init__(self, experts: nn.Module, dtype: torch.dtype):
+        e, two_i, h = experts.gate_up_proj.shape
+        device = experts.gate_up_proj.device
+        super().__init__([_W8A8Expert(h, two_i // 2, dtype, device) for _ in range(e)])
+        self.act_fn = experts.act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e, top_k_pos, token_idx in _route(len(self), top_k_index):
+            x = hidden_states[token_idx]
+            expert = self[e]
+            h = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            out.index_add_(0, token_idx, (h * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
+        return out
+
+
+def iter_expert_pairs(prefix: str, gate_up: tuple, down: tuple):
+    """Per-expert checkpoint pairs from fused quantizations `(q, scale_inv)` of gate_up (E, 2I, H) and down."""
+    (qgu, sgu), (qd, sd) = gate_up, down
+    inter = qgu.shape[1] // 2
+    for e in range(qgu.shape[0]):
+        yield f"{prefix}{e}.gate_proj.weight", qgu[e, :inter]
+        yield f"{prefix}{e}.gate_proj.weight_scale_inv", sgu[e, : inter // 128]
+        yield f"{prefix}{e}.up_proj.weight", qgu[e, inter:]
+        yield f"{prefix}{e}.up_proj.weight_scale_inv", sgu[e, inter // 128 :]
+        yield f"{prefix}{e}.down_proj.weight", qd[e]
+        yield f"{prefix}{e}.down_proj.weight_scale_inv", sd[e]
+
+
+@contextmanager
+def capture_routing(model: nn.Module):
+    """Records the top-k expert indices every experts module of `model` receives, in call order (one entry per
+    layer per forward): `with capture_routing(model) as routes: model(ids)`."""
+    routes: list[torch.Tensor] = []
+    handles = [
+        m.register_forward_pre_hook(lambda _m, args: routes.append(args[1].detach().cpu()))
+        for m in model.modules()
+        if is_fused_experts(m) or isinstance(m, FP8Experts | W8A8Experts)
+    ]
+    try:
+        yield routes
+    finally:
+        for h in handles:
+            h.remove()
