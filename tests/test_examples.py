@@ -1,0 +1,60 @@
+"""The README's main job and the benchmark scripts, run as a user runs them (subprocesses, real files)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trl import ModelConfig, TrlParser
+
+from trl_fp8 import FP8GRPOConfig
+
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("grpo_fp8", ROOT / "examples" / "grpo_fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_recipe_parses_into_fp8_grpo_config(tmp_path):
+    example = load_example()
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+        script_args, training_args, _ = parser.parse_args_and_config(
+            args=["--config", str(path), "--output_dir", str(tmp_path)]
+        )
+        assert isinstance(training_args, FP8GRPOConfig), path.name
+        assert training_args.resolved_fp8_recipe is not None
+
+
+def test_demo_runs_through_accelerate_launch(tmp_path):
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", str(ROOT / "examples" / "grpo_fp8.py"),
+        "--config", str(ROOT / "recipes" / "demo_cpu.yaml"),
+        "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "16",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "token_mult_prob_error" in result.stdout
+    assert (tmp_path / "training_curves.png").stat().st_size > 10_000
+    assert (tmp_path / "fp8_recipe.json").exists() and (tmp_path / "model.safetensors").exists()
+
+
+def test_mismatch_benchmark_quick(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "mismatch.py"), "--quick", "--output_dir", str(tmp_path)]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    table = (tmp_path / "mismatch.md").read_text()
+    for row in ("BF16/BF16, no IS", "FP8 gen + BF16 train, token TIS C=2", "FP8/FP8, token TIS C=2"):
+        assert f"| {row} |" in table, row
+    assert (tmp_path / "mismatch.png").stat().st_size > 10_000
+    assert (tmp_path / "mismatch.json").exists()
