@@ -83,6 +83,10 @@ def trainer_for(tmp_path, tokenizer, **overrides):
 def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
     trainer = trainer_for(tmp_path, demo_tokenizer, max_steps=1, fp8_save_format="fp8")
     trainer.train()
+    trainer.create_model_card(model_name="tiny-fp8")
+    card = (tmp_path / "README.md").read_text()
+    assert "## FP8 training" in card and '"pow2_scales": false' in card and "`sampling/token_mult_prob_error`" in card
+    assert "fp8" in card.split("---")[1]  # the tag, in the card's metadata
     out = tmp_path / "fp8"
     trainer.save_model(str(out))
     assert (out / RECIPE_NAME).exists()

@@ -1,3 +1,6 @@
+import json
+import os
+
 import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
@@ -25,6 +28,7 @@ class FP8GRPOTrainer(GRPOTrainer):
       (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`); for MoE models, `fp8/router_mismatch`, the
       share of (token, layer) pairs whose top-k experts differ between sampler and learner on the same sequences.
 
+    - `create_model_card`: TRL's card, plus a section with the recipe, the FP8 settings and the run's mismatch.
     - `save_model`: with `fp8_save_format="fp8"`, writes the block-FP8 checkpoint of the export stream; always writes
       the recipe (`fp8_recipe.json`) beside the weights.
 
@@ -77,6 +81,45 @@ class FP8GRPOTrainer(GRPOTrainer):
         self.use_vllm = True
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
         self._last_loaded_step = -1
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not self.is_world_process_zero() or not os.path.exists(path):
+            return
+        args = self.args
+        lines = [
+            "",
+            "## FP8 training",
+            "",
+            "Trained with trl-fp8's `FP8GRPOTrainer`: "
+            f"FP8 training `{args.fp8_training}`, FP8 generation `{args.fp8_generation}`, importance sampling "
+            f"`{args.vllm_importance_sampling_mode}` (cap {args.vllm_importance_sampling_clip_max}) "
+            f"{'on' if args.vllm_importance_sampling_correction else 'off'}.",
+            "",
+            "Recipe (`fp8_recipe.json`):",
+            "",
+            "```json",
+            json.dumps(args.resolved_fp8_recipe.to_dict(), indent=2, sort_keys=True),
+            "```",
+        ]
+        metrics = ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob_ratio", "fp8/router_mismatch")
+        rows = []
+        for key in metrics:
+            values = [log[key] for log in self.state.log_history if key in log]
+            if values:
+                rows.append(f"| `{key}` | {sum(values) / len(values):.6g} | {values[-1]:.6g} |")
+        if rows:
+            lines += [
+                "",
+                "Learner/sampler mismatch over the run:",
+                "",
+                "| metric | mean | last |",
+                "| --- | --- | --- |",
+            ]
+            lines += rows
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
