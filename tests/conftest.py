@@ -62,3 +62,32 @@ def tiny_policy(tokenizer, model_cls=LlamaForCausalLM, config_cls=LlamaConfig, n
         )
     )
     return model_cls(config)
+
+
+def digit_reward(completions, **kwargs):
+    """A dense reward any model earns some of: the number of digits it writes."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversational: messages
+    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
+
+
+def tiny_grpo_args(output_dir, **overrides):
+    """FP8GRPOConfig for CPU tests: a few short completions per step, no checkpoints, no reporting."""
+    from trl_fp8 import FP8GRPOConfig
+
+    kwargs = dict(
+        output_dir=str(output_dir),
+        learning_rate=0.1,  # large, so that every parameter visibly moves in two steps
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,  # short completions keep CPU steps well under a second
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return FP8GRPOConfig(**kwargs)

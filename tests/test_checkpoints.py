@@ -4,17 +4,13 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_policy
+from conftest import digit_reward, tiny_grpo_args, tiny_policy
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.quant import FP8Linear, dequantize_blockwise
 from trl_fp8.recipe import RECIPE_NAME
-
-
-def digit_reward(completions, **kwargs):
-    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
 def test_recipe_round_trip(tmp_path):
@@ -55,26 +51,10 @@ def test_quantization_config():
 
 
 def trainer_for(tmp_path, tokenizer, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        learning_rate=0.05,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=3,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=0,
-    )
-    kwargs.update(overrides)
     return FP8GRPOTrainer(
         model=tiny_policy(tokenizer),
         reward_funcs=digit_reward,
-        args=FP8GRPOConfig(**kwargs),
+        args=tiny_grpo_args(tmp_path, **{"learning_rate": 0.05, "max_steps": 3, **overrides}),
         train_dataset=make_dataset(32),
         processing_class=tokenizer,
     )

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import tiny_config_kwargs
+from conftest import digit_reward, tiny_config_kwargs, tiny_grpo_args
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
+from trl_fp8 import FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.generation import build_sampler_model
 from trl_fp8.quant import dequantize_blockwise, iter_fp8_state, quantize_blockwise
@@ -121,25 +121,7 @@ def test_export_to_reference_engine_round_trip_is_bit_identical(build, recipe):
     "build,recipe", [(qwen3_moe, FP8Recipe()), (deepseek_v3, MOONLIGHT)], ids=["qwen3_moe", "deepseek_v3"]
 )
 def test_fp8_grpo_trains_moe_end_to_end(tmp_path, demo_tokenizer, build, recipe):
-    def digit_reward(completions, **kwargs):
-        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
-
-    args = FP8GRPOConfig(
-        output_dir=str(tmp_path),
-        learning_rate=0.1,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=0,
-        fp8_recipe=recipe.to_dict(),
-    )
+    args = tiny_grpo_args(tmp_path, fp8_recipe=recipe.to_dict())
     trainer = FP8GRPOTrainer(
         model=build(demo_tokenizer),
         reward_funcs=digit_reward,

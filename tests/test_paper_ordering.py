@@ -3,7 +3,9 @@ learner's own FP8 weights (end-to-end FP8) disagrees with the learner less than 
 high-precision learner ("FP8 generation only"); a high-precision sampler behind a high-precision learner is the
 floor."""
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+from conftest import tiny_grpo_args
+
+from trl_fp8 import FP8GRPOTrainer
 from trl_fp8.demo.task import accuracy_reward, load_demo_model_and_tokenizer, make_dataset
 
 
@@ -16,20 +18,13 @@ CONFIGS = {
 
 def mean_mismatch(tmp_path, name, **fp8_flags):
     model, tokenizer = load_demo_model_and_tokenizer()
-    args = FP8GRPOConfig(
-        output_dir=str(tmp_path / name),
+    args = tiny_grpo_args(
+        tmp_path / name,
         learning_rate=1e-4,
         per_device_train_batch_size=16,
         num_generations=8,
         max_completion_length=4,
         max_steps=3,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=0,
         **fp8_flags,
     )
     trainer = FP8GRPOTrainer(

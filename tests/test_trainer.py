@@ -3,37 +3,12 @@ real `datasets.Dataset`, all built in-process."""
 
 import pytest
 import torch
-from conftest import tiny_policy
+from conftest import digit_reward, tiny_grpo_args, tiny_policy
 from datasets import Dataset
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.quant import FP8Linear, W8A8Linear, quantize_blockwise
-
-
-def digit_reward(completions, **kwargs):
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversational: messages
-    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
-
-
-def make_args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        learning_rate=0.1,  # large, so that every parameter visibly moves in two steps
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,  # short completions keep CPU steps well under a second
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return FP8GRPOConfig(**kwargs)
 
 
 def train_and_check(trainer):
@@ -52,7 +27,7 @@ def test_train_loss_types(tmp_path, demo_tokenizer, loss_type):
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path, loss_type=loss_type),
+        args=tiny_grpo_args(tmp_path, loss_type=loss_type),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )
@@ -67,7 +42,7 @@ def test_train_multiple_iterations(tmp_path, demo_tokenizer):
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path, num_iterations=2, max_steps=3),
+        args=tiny_grpo_args(tmp_path, num_iterations=2, max_steps=3),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )
@@ -82,7 +57,7 @@ def test_train_beta_non_zero_converts_the_reference_model(tmp_path, demo_tokeniz
     trainer = FP8GRPOTrainer(
         model=str(path),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path / "out", beta=0.1),
+        args=tiny_grpo_args(tmp_path / "out", beta=0.1),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )
@@ -95,7 +70,7 @@ def test_train_with_eval(tmp_path, demo_tokenizer):
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=[digit_reward, accuracy_reward],
-        args=make_args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
+        args=tiny_grpo_args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
         train_dataset=make_dataset(16),
         eval_dataset=make_dataset(8, seed=1),
         processing_class=demo_tokenizer,
@@ -113,7 +88,7 @@ def test_train_conversational_prompts(tmp_path, demo_tokenizer):
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path),
+        args=tiny_grpo_args(tmp_path),
         train_dataset=dataset,
         processing_class=demo_tokenizer,
     )
@@ -124,7 +99,7 @@ def test_sampler_holds_the_learners_fp8_weights_bit_for_bit(tmp_path, demo_token
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path, max_steps=1),
+        args=tiny_grpo_args(tmp_path, max_steps=1),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )
@@ -152,7 +127,7 @@ def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_to
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path, fp8_training=False, vllm_importance_sampling_clip_max=clip_max),
+        args=tiny_grpo_args(tmp_path, fp8_training=False, vllm_importance_sampling_clip_max=clip_max),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )
@@ -179,7 +154,7 @@ def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_toke
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path, temperature=temperature, max_completion_length=6),
+        args=tiny_grpo_args(tmp_path, temperature=temperature, max_completion_length=6),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )
@@ -203,7 +178,7 @@ def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=digit_reward,
-        args=make_args(tmp_path),
+        args=tiny_grpo_args(tmp_path),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
     )

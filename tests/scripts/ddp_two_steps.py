@@ -9,34 +9,16 @@ from accelerate import PartialState
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import tiny_policy  # noqa: E402
+from conftest import digit_reward, tiny_grpo_args, tiny_policy  # noqa: E402
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer  # noqa: E402
+from trl_fp8 import FP8GRPOTrainer  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
 
 
-def digit_reward(completions, **kwargs):
-    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
-
-
 def main(output_dir: str):
     tokenizer = build_tokenizer()
-    args = FP8GRPOConfig(
-        output_dir=output_dir,
-        learning_rate=0.05,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=0,
-    )
+    args = tiny_grpo_args(output_dir, learning_rate=0.05)
     trainer = FP8GRPOTrainer(
         model=tiny_policy(tokenizer),
         reward_funcs=digit_reward,
