@@ -15,6 +15,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_fp8.demo.task import (
+    DEMO_GRPO_KWARGS,
     DEMO_MODEL_DIR,
     accuracy_reward,
     generation_accuracy,
@@ -50,19 +51,12 @@ def main():
             seed=args.seed,
             max_steps=args.max_steps,
             learning_rate=args.learning_rate,
-            lr_scheduler_type=args.lr_scheduler_type,
             per_device_train_batch_size=args.per_device_train_batch_size,
-            num_generations=args.num_generations,
-            max_completion_length=6,  # answers are at most 3 digits + <eos>
-            temperature=1.0,
-            beta=0.0,  # no reference model: cheaper, and the KL term is not needed for a short run
-            use_cpu=True,
-            bf16=False,
-            gradient_checkpointing=False,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
+            **{
+                **DEMO_GRPO_KWARGS,
+                "num_generations": args.num_generations,
+                "lr_scheduler_type": args.lr_scheduler_type,
+            },
         )
         trainer = GRPOTrainer(
             model=model,

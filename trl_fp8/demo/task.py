@@ -21,6 +21,22 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
 
 MIN_OPERAND, MAX_OPERAND = 10, 99
 
+# The GRPO settings every demo run shares (recipes/demo_cpu.yaml writes the same out for the example script).
+DEMO_GRPO_KWARGS = dict(
+    num_generations=8,
+    max_completion_length=6,  # answers are at most 3 digits + <eos>
+    temperature=1.0,
+    beta=0.0,  # no reference model: cheaper, and the KL term is not needed for a short run
+    lr_scheduler_type="constant",
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+)
+
 
 def make_example(rng: random.Random) -> dict[str, str]:
     """Draw one ``{"prompt", "answer"}`` pair from the task distribution."""

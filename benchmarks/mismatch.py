@@ -1,0 +1,143 @@
+"""The paper's mismatch table on the CPU demo: learner/sampler mismatch and reward for each precision configuration,
+with and without token-level truncated importance sampling, over several seeds.
+
+    python benchmarks/mismatch.py                      # full run: 40 steps x 3 seeds per configuration
+    python benchmarks/mismatch.py --quick              # CI smoke run: a few steps, one seed
+
+Writes `<output_dir>/mismatch.md` (mean ± std over seeds), `<output_dir>/mismatch.json` (every run's log) and
+`<output_dir>/mismatch.png` (reward and token_mult_prob_error vs step, one line per configuration, shaded by the seed
+spread).
+"""
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import PrinterCallback
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
+from trl_fp8.demo.task import DEMO_GRPO_KWARGS, accuracy_reward, load_demo_model_and_tokenizer, make_dataset
+from trl_fp8.utils.plots import plot_curves
+
+
+PRECISIONS = {
+    "BF16/BF16": dict(fp8_training=False, fp8_generation=False),
+    "FP8 gen + BF16 train": dict(fp8_training=False, fp8_generation=True),
+    "FP8/FP8": dict(fp8_training=True, fp8_generation=True),
+    # "FP8/FP8 + FP8 KV cache" joins this table with the FP8 KV cache (fp8_kv_cache=True).
+}
+IS_MODES = {"no IS": dict(vllm_importance_sampling_correction=False), "token TIS C=2": {}}
+METRICS = ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob_ratio")
+
+
+def run(precision: dict, is_mode: dict, seed: int, steps: int, batch: int, output_dir: str) -> list[dict]:
+    model, tokenizer = load_demo_model_and_tokenizer()
+    args = FP8GRPOConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        learning_rate=2e-4,  # the demo recipe's (recipes/demo_cpu.yaml)
+        per_device_train_batch_size=batch,
+        seed=seed,
+        **DEMO_GRPO_KWARGS,
+        **precision,
+        **is_mode,
+    )
+    trainer = FP8GRPOTrainer(
+        model=model,
+        reward_funcs=accuracy_reward,
+        args=args,
+        train_dataset=make_dataset(steps * batch // 8, seed=seed),
+        processing_class=tokenizer,
+    )
+    trainer.remove_callback(PrinterCallback)  # the table is the output; per-step dicts go to mismatch.json
+    trainer.train()
+    return [log for log in trainer.state.log_history if "reward" in log]
+
+
+def mean_std(values: list[float], fmt: str) -> str:
+    if not values:
+        return "–"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{format(statistics.fmean(values), fmt)} ± {format(std, fmt)}"
+
+
+def summarize(results: dict[str, list[list[dict]]], tail: int) -> str:
+    """Markdown table: per run, the metrics averaged over its steps, then mean ± std over seeds."""
+
+    def per_seed(histories, key, last=None):
+        out = []
+        for h in histories:
+            values = [log[key] for log in h if key in log]
+            values = values[-last:] if last else values
+            if values:
+                out.append(statistics.fmean(values))
+        return out
+
+    rows = [
+        "| configuration | token_mult_prob_error | gen_kl | is_oob_ratio | final reward (last "
+        f"{tail} steps) | reward gap to BF16/BF16 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, histories in results.items():
+        precision, _, is_label = label.partition(", ")
+        base = results.get(f"BF16/BF16, {is_label}")
+        reward = per_seed(histories, "reward", tail)
+        gap = "–"
+        if base is not None:
+            base_reward = per_seed(base, "reward", tail)
+            gap = f"{statistics.fmean(reward) - statistics.fmean(base_reward):+.3f}"
+        rows.append(
+            f"| {label} | {mean_std(per_seed(histories, METRICS[0]), '.5f')} | "
+            f"{mean_std(per_seed(histories, METRICS[1]), '.2e')} | {mean_std(per_seed(histories, METRICS[2]), '.4f')} | "
+            f"{mean_std(reward, '.3f')} | {gap} |"
+        )
+    return "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="benchmarks/results")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=128, help="completions per step (16 prompts x 8)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--quick", action="store_true", help="3 steps, one seed: a smoke run for CI")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.seeds, args.batch = 3, [0], 32
+    torch.set_num_threads(1)  # the demo model is tiny: one thread is fastest and leaves the other core free
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("trl_fp8").setLevel(logging.ERROR)
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(p, i, s) for p in PRECISIONS for i in IS_MODES for s in args.seeds]
+    results: dict[str, list[list[dict]]] = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision, is_label, seed in tqdm(jobs, desc="mismatch runs"):
+            history = run(PRECISIONS[precision], IS_MODES[is_label], seed, args.steps, args.batch, tmp)
+            results.setdefault(f"{precision}, {is_label}", []).append(history)
+    minutes = (time.perf_counter() - start) / 60
+
+    tail = min(10, args.steps)
+    table = summarize(results, tail)
+    (out / "mismatch.md").write_text(
+        f"{table}\n\n{args.steps} GRPO steps of {args.batch} completions per run, seeds {args.seeds}, "
+        f"{minutes:.1f} min in all; "
+        "mismatch metrics are averaged over each run's steps, then mean ± std over seeds.\n"
+    )
+    (out / "mismatch.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "runs": results}))
+    plot_curves(results, out / "mismatch.png", title="CPU demo: reward and learner/sampler mismatch")
+    print(table)
+    print(f"wrote {out / 'mismatch.md'}, {out / 'mismatch.json'}, {out / 'mismatch.png'} ({minutes:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
