@@ -98,6 +98,8 @@ class ReferenceEngine:
             repetition_penalty=repetition_penalty,
             eos_token_id=self.eos_token_ids,
             pad_token_id=pad_token_id,
+            output_scores=True,  # the processed logits, for the sampled tokens' log-probs
+            return_dict_in_generate=True,
             **(generation_kwargs or {}),
         )
         self._synced_versions: tuple | None = None
@@ -146,8 +148,6 @@ class ReferenceEngine:
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=self.generation_config,
-                output_scores=True,
-                return_dict_in_generate=True,
             )
         sampled = out.sequences[:, width:]
         # `scores` are the processed logits (temperature, top-k/p applied): their log-softmax is what vLLM returns.
