@@ -31,10 +31,11 @@ PRECISIONS = {
     "BF16/BF16": dict(fp8_training=False, fp8_generation=False),
     "FP8 gen + BF16 train": dict(fp8_training=False, fp8_generation=True),
     "FP8/FP8": dict(fp8_training=True, fp8_generation=True),
-    # "FP8/FP8 + FP8 KV cache" joins this table with the FP8 KV cache (fp8_kv_cache=True).
+    "FP8/FP8 + FP8 KV cache": dict(fp8_training=True, fp8_generation=True, fp8_kv_cache=True),
 }
 IS_MODES = {"no IS": dict(vllm_importance_sampling_correction=False), "token TIS C=2": {}}
 METRICS = ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob_ratio")
+CALIBRATION = "fp8/kv_calibration_seconds"
 
 
 def run(precision: dict, is_mode: dict, seed: int, steps: int, batch: int, output_dir: str) -> list[dict]:
@@ -82,8 +83,8 @@ def summarize(results: dict[str, list[list[dict]]], tail: int) -> str:
 
     rows = [
         "| configuration | token_mult_prob_error | gen_kl | is_oob_ratio | final reward (last "
-        f"{tail} steps) | reward gap to BF16/BF16 |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"{tail} steps) | reward gap to BF16/BF16 | KV calibration, share of step time |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, histories in results.items():
         precision, _, is_label = label.partition(", ")
@@ -93,10 +94,15 @@ def summarize(results: dict[str, list[list[dict]]], tail: int) -> str:
         if base is not None:
             base_reward = per_seed(base, "reward", tail)
             gap = f"{statistics.fmean(reward) - statistics.fmean(base_reward):+.3f}"
+        shares = [
+            sum(log.get(CALIBRATION, 0.0) for log in h) / sum(log["step_time"] for log in h)
+            for h in histories
+            if any(CALIBRATION in log for log in h)
+        ]
         rows.append(
             f"| {label} | {mean_std(per_seed(histories, METRICS[0]), '.5f')} | "
             f"{mean_std(per_seed(histories, METRICS[1]), '.2e')} | {mean_std(per_seed(histories, METRICS[2]), '.4f')} | "
-            f"{mean_std(reward, '.3f')} | {gap} |"
+            f"{mean_std(reward, '.3f')} | {gap} | {mean_std([100 * x for x in shares], '.1f') + ' %' if shares else '–'} |"
         )
     return "\n".join(rows)
 

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import iter_fp8_state, iter_hp_state, load_state_stream, stream_nbytes
+from ..quant.kv_cache import FP8KVCache, calibrate_kv_scales
 from ..quant.linear import weights_epoch
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
@@ -29,6 +30,7 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
     """An empty copy of `policy`'s architecture in `dtype`, with the recipe's linears as `W8A8Linear` (and fused
     MoE experts as per-expert `W8A8Experts`) if `fp8`."""
     config = copy.deepcopy(policy.config)
+    config.use_cache = True  # the learner's config may have it off (gradient checkpointing); a sampler decodes with one
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to(policy.device if hasattr(policy, "device") else "cpu").eval().requires_grad_(False)
     if fp8:
@@ -45,6 +47,17 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
             parent = model.get_submodule(parent_name)
             setattr(parent, child, W8A8Experts(getattr(parent, child), dtype=dtype))
     return model
+
+
+def left_pad(ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)` of token-id lists, padded on the left as decoder-only generation wants."""
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, x in enumerate(ids):
+        input_ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+        attention_mask[i, width - len(x) :] = 1
+    return input_ids, attention_mask
 
 
 class ReferenceEngine:
@@ -65,6 +78,11 @@ class ReferenceEngine:
             Stop tokens and padding.
         temperature, top_p, top_k, min_p, repetition_penalty, max_completion_length, generation_kwargs:
             Sampling parameters, as in `GRPOConfig`.
+        kv_cache (`bool`, *optional*, defaults to `False`):
+            Store keys and values in E4M3 with per-layer scales that travel in the stream in vLLM's names
+            (`model.layers.{i}.self_attn.k_scale` / `v_scale`), recalibrated from the learner whenever it changed.
+        kv_scale_percentile (`float`), kv_scale_margin (`float`):
+            How scales are derived from the per-token K/V amax (see `trl_fp8.quant.kv_cache`).
     """
 
     def __init__(
@@ -84,6 +102,9 @@ class ReferenceEngine:
         repetition_penalty: float = 1.0,
         max_completion_length: int = 256,
         generation_kwargs: dict | None = None,
+        kv_cache: bool = False,
+        kv_scale_percentile: float = 99.9,
+        kv_scale_margin: float = 1.05,
     ):
         self.model, self.accelerator, self.recipe, self.fp8 = model, accelerator, recipe, fp8
         self.sampler = build_sampler_model(accelerator.unwrap_model(model), recipe, fp8=fp8, dtype=dtype)
@@ -98,12 +119,26 @@ class ReferenceEngine:
             repetition_penalty=repetition_penalty,
             eos_token_id=self.eos_token_ids,
             pad_token_id=pad_token_id,
+            use_cache=True,  # decode with a KV cache, whatever the learner's config says
             output_scores=True,  # the processed logits, for the sampled tokens' log-probs
             return_dict_in_generate=True,
             **(generation_kwargs or {}),
         )
         self._synced_versions: tuple | None = None
         self.last_sync: dict[str, float] | None = None
+        self.kv_cache, self.kv_scale_percentile, self.kv_scale_margin = kv_cache, kv_scale_percentile, kv_scale_margin
+        # Set by the trainer: `(input_ids, attention_mask)` of a small slice of the latest batch.
+        self.calibration_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.recalibrate = True  # False keeps the first calibration forever (for measuring what stale scales cost)
+        self._kv_scale_invs: torch.Tensor | None = None
+        self._attn_names: list[str] = []
+        if kv_cache:
+            # vLLM's checkpoint names; -1 marks "never received", so a missing scale can never pass as 1.0.
+            for name, module in self.sampler.named_modules():
+                if name.endswith("self_attn") and hasattr(module, "layer_idx"):
+                    module.register_buffer("k_scale", torch.tensor(-1.0, device=self.sampler.device))
+                    module.register_buffer("v_scale", torch.tensor(-1.0, device=self.sampler.device))
+                    self._attn_names.append(name)
 
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:
         """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
@@ -112,7 +147,29 @@ class ReferenceEngine:
             return list(iter_hp_state(policy))
         # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
         converted = getattr(policy, "fp8_recipe", None) is not None
-        return list(iter_fp8_state(policy, None if converted else self.recipe))
+        pairs = list(iter_fp8_state(policy, None if converted else self.recipe))
+        if self.kv_cache:
+            if self._kv_scale_invs is None:
+                raise RuntimeError("FP8 KV cache: no K/V scales yet; sync_weights() calibrates them first")
+            for name, (k, v) in zip(self._attn_names, self._kv_scale_invs, strict=True):
+                pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v)]
+        return pairs
+
+    @torch.no_grad()
+    def calibrate_kv_scales(self) -> float:
+        """Recomputes the K/V scales with the learner's current weights; returns the seconds it took."""
+        if self.calibration_batch is None:
+            raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
+        start = time.perf_counter()
+        policy = self.accelerator.unwrap_model(self.model)
+        ids, mask = (t.to(policy.device) for t in self.calibration_batch)
+        scales = calibrate_kv_scales(
+            policy.get_decoder(), ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin
+        )
+        if self.accelerator.num_processes > 1:  # every rank's sampler must hold the same scales
+            scales = self.accelerator.reduce(scales.to(self.accelerator.device), reduction="max").cpu()
+        self._kv_scale_invs = scales
+        return time.perf_counter() - start
 
     @torch.no_grad()
     def sync_weights(self) -> None:
@@ -121,6 +178,9 @@ class ReferenceEngine:
         versions = (weights_epoch(), *(p._version for p in policy.parameters()))
         if versions == self._synced_versions:
             return
+        calibration_seconds = 0.0
+        if self.kv_cache and (self.recalibrate or self._kv_scale_invs is None):
+            calibration_seconds = self.calibrate_kv_scales()
         start = time.perf_counter()
         pairs = self.state_stream()
         sent, bf16 = stream_nbytes(pairs)
@@ -128,6 +188,8 @@ class ReferenceEngine:
         load_state_stream(self.sampler, pairs)
         self._synced_versions = versions
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
+        if self.kv_cache:
+            self.last_sync["kv_calibration_seconds"] = calibration_seconds
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], images=None, num_generations: int = 1, profiler=None) -> tuple:
@@ -137,17 +199,18 @@ class ReferenceEngine:
         if images is not None and any(img is not None for img in images):
             raise NotImplementedError("the reference engine samples text only; images are not supported")
         device = self.sampler.device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, ids in enumerate(prompts):  # left padding, as vLLM sees each prompt unpadded
-            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, width - len(ids) :] = 1
+        input_ids, attention_mask = left_pad(prompts, self.pad_token_id)
+        width = input_ids.shape[1]
+        cache = None
+        if self.kv_cache:
+            attn = [self.sampler.get_submodule(name) for name in self._attn_names]
+            cache = FP8KVCache([(a.k_scale.item(), a.v_scale.item()) for a in attn])
         with profiler or nullcontext():
             out = self.sampler.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=self.generation_config,
+                past_key_values=cache,
             )
         sampled = out.sequences[:, width:]
         # `scores` are the processed logits (temperature, top-k/p applied): their log-softmax is what vLLM returns.

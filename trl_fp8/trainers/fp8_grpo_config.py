@@ -29,6 +29,16 @@ class FP8GRPOConfig(GRPOConfig):
         fp8_generation (`bool`, *optional*, defaults to `True`):
             Sample with W8A8 block-FP8 linears whose weights and scales are the learner's own quantization (or the
             recipe's quantization of the learner's weights when `fp8_training=False`: "FP8 generation only").
+        fp8_kv_cache (`bool`, *optional*, defaults to `False`):
+            Sample with an FP8 (E4M3) KV cache, half the memory of BF16. Its per-layer K/V scales are recalibrated from
+            the updated learner after every optimizer step (a no-grad forward of the learner's decoder on a small
+            slice of the latest batch) and travel in the sync stream in vLLM's names. Requires `fp8_generation`.
+        fp8_kv_scale_percentile (`float`, *optional*, defaults to `99.9`):
+            Percentile, over tokens, of the per-token K/V amax that sets each layer's scale.
+        fp8_kv_scale_margin (`float`, *optional*, defaults to `1.05`):
+            Headroom multiplied onto that percentile, so that the policy can drift before values saturate.
+        fp8_kv_calibration_rows (`int`, *optional*, defaults to `16`):
+            Sequences of the latest batch (prompt and completion) that the KV recalibration forward runs on.
         fp8_save_format (`str`, *optional*, defaults to `"bf16"`):
             What `trainer.save_model()` writes: `"bf16"`, the high-precision master weights (a regular checkpoint), or
             `"fp8"`, a block-FP8 checkpoint (the sampler's e4m3 weights + `weight_scale_inv`, with a
@@ -63,6 +73,25 @@ class FP8GRPOConfig(GRPOConfig):
     fp8_generation: bool = field(
         default=True,
         metadata={"help": "Sample with W8A8 block-FP8 linears holding the learner's own FP8 weights and scales."},
+    )
+    fp8_kv_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample with an FP8 KV cache whose per-layer scales are recalibrated from the learner every "
+            "optimizer step. Requires fp8_generation."
+        },
+    )
+    fp8_kv_scale_percentile: float = field(
+        default=99.9,
+        metadata={"help": "Percentile, over tokens, of the per-token K/V amax that sets each layer's KV scale."},
+    )
+    fp8_kv_scale_margin: float = field(
+        default=1.05,
+        metadata={"help": "Headroom multiplied onto the K/V amax percentile before dividing by 448."},
+    )
+    fp8_kv_calibration_rows: int = field(
+        default=16,
+        metadata={"help": "Sequences of the latest batch that the KV-scale recalibration forward runs on."},
     )
     fp8_save_format: str = field(
         default="bf16",
@@ -104,6 +133,16 @@ class FP8GRPOConfig(GRPOConfig):
             self.fp8_recipe = self._fp8_recipe.to_dict()  # JSON-native, so TrainingArguments can serialize it
         if self.fp8_save_format not in ("bf16", "fp8"):
             raise ValueError(f"fp8_save_format must be 'bf16' or 'fp8', got {self.fp8_save_format!r}")
+        if self.fp8_kv_cache and not self.fp8_generation:
+            raise ValueError(
+                "fp8_kv_cache=True needs fp8_generation=True: the FP8 KV cache belongs to the FP8 sampler."
+            )
+        if not 0 < self.fp8_kv_scale_percentile <= 100:
+            raise ValueError(f"fp8_kv_scale_percentile must be in (0, 100], got {self.fp8_kv_scale_percentile}")
+        if not self.fp8_kv_scale_margin > 0:
+            raise ValueError(f"fp8_kv_scale_margin must be positive, got {self.fp8_kv_scale_margin}")
+        if self.fp8_kv_calibration_rows < 1:
+            raise ValueError(f"fp8_kv_calibration_rows must be at least 1, got {self.fp8_kv_calibration_rows}")
         if self.use_vllm:
             raise ValueError(
                 "use_vllm=True is not supported by this version of trl-fp8: FP8GRPOTrainer samples with its FP8 "

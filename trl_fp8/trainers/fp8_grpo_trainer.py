@@ -5,7 +5,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
-from ..generation.reference import ReferenceEngine
+from ..generation.reference import ReferenceEngine, left_pad
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
 from ..quant.moe import capture_routing, is_fused_experts
@@ -77,6 +77,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             repetition_penalty=self.repetition_penalty,
             max_completion_length=self.max_completion_length,
             generation_kwargs=args.generation_kwargs,
+            kv_cache=args.fp8_kv_cache,
+            kv_scale_percentile=args.fp8_kv_scale_percentile,
+            kv_scale_margin=args.fp8_kv_scale_margin,
         )
         self.use_vllm = True
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
@@ -139,14 +142,30 @@ class FP8GRPOTrainer(GRPOTrainer):
             super().save_model(output_dir, _internal_call=_internal_call)
 
     def _generate_and_score_completions(self, inputs):
+        engine = self.vllm_generation
+        if engine.kv_cache and engine.calibration_batch is None:
+            # The very first KV calibration has no finished batch yet: it uses this batch's prompts.
+            prompt_ids = self._tokenize_prompts([x["prompt"] for x in inputs])[0]
+            engine.calibration_batch = left_pad(
+                prompt_ids[: self.args.fp8_kv_calibration_rows], self._tokenizer.pad_token_id
+            )
         output = super()._generate_and_score_completions(inputs)
+        if engine.kv_cache:
+            # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions included.
+            rows = self.args.fp8_kv_calibration_rows
+            engine.calibration_batch = (
+                torch.cat([output["prompt_ids"][:rows], output["completion_ids"][:rows]], dim=1),
+                torch.cat([output["prompt_mask"][:rows], output["completion_mask"][:rows]], dim=1),
+            )
         mode = "train" if self.model.training else "eval"
-        sync = self.vllm_generation.last_sync
+        sync = engine.last_sync
         if sync is not None:
-            self.vllm_generation.last_sync = None
+            engine.last_sync = None
             self._metrics[mode]["fp8/sync_seconds"].append(sync["seconds"])
             self._metrics[mode]["fp8/sync_bytes"].append(sync["bytes"])
             self._metrics[mode]["fp8/sync_bf16_bytes"].append(sync["bf16_bytes"])
+            if "kv_calibration_seconds" in sync:
+                self._metrics[mode]["fp8/kv_calibration_seconds"].append(sync["kv_calibration_seconds"])
         if self.args.fp8_mismatch_metrics and "sampling_per_token_logps" in output:
             self._log_mismatch(output, mode)
             if self._is_moe:

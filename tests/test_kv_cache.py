@@ -1,0 +1,171 @@
+"""The FP8 KV cache of the reference sampler and its per-step K/V scale recalibration, on the shipped demo model."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import tiny_grpo_args
+from transformers import DynamicCache
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8.demo.task import accuracy_reward, load_demo_model_and_tokenizer, make_dataset
+from trl_fp8.generation.reference import ReferenceEngine, left_pad
+from trl_fp8.quant.export import load_state_stream
+from trl_fp8.quant.kv_cache import FP8KVCache, calibrate_kv_scales, quantize_kv
+
+
+def demo_prompts(tokenizer, n=16, seed=0):
+    return [tokenizer(p)["input_ids"] for p in make_dataset(n, seed=seed)["prompt"]]
+
+
+def cache_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def test_fp8_kv_cache_takes_half_the_memory_of_bf16():
+    model, tokenizer = load_demo_model_and_tokenizer(dtype=torch.bfloat16)
+    ids, mask = left_pad(demo_prompts(tokenizer), tokenizer.pad_token_id)
+    bf16, fp8 = DynamicCache(), FP8KVCache([(0.03, 0.02)] * 2)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=bf16, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, past_key_values=fp8, use_cache=True)
+    assert bf16.layers[0].keys.dtype == torch.bfloat16 and fp8.layers[0].keys.dtype == torch.float8_e4m3fn
+    assert cache_bytes(fp8) * 2 == cache_bytes(bf16)
+
+
+def test_fp8_kv_layer_stores_e4m3_and_returns_its_dequantization():
+    cache = FP8KVCache([(0.01, 0.02)])
+    k, v = torch.randn(2, 2, 5, 64), torch.randn(2, 2, 5, 64)
+    k_out, v_out = cache.update(k, v, 0)
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys.view(torch.uint8), quantize_kv(k, 0.01).view(torch.uint8))
+    assert torch.equal(k_out, layer.keys.float() * 0.01) and torch.equal(v_out, layer.values.float() * 0.02)
+    assert k_out.abs().max() <= 448 * 0.01  # saturates instead of overflowing
+    k_out, _ = cache.update(k[:, :, :1], v[:, :, :1], 0)
+    assert k_out.shape[-2] == 6 and cache.get_seq_length() == 6
+
+
+def test_scales_follow_the_weights():
+    model, tokenizer = load_demo_model_and_tokenizer()
+    ids, mask = left_pad(demo_prompts(tokenizer), tokenizer.pad_token_id)
+    before = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(2)  # RoPE is linear: K doubles, V does not move
+    after = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    torch.testing.assert_close(after[0, 0], 2 * before[0, 0], rtol=1e-5, atol=0)
+    assert after[0, 1] == before[0, 1]  # layer 0's V is untouched
+    assert not torch.equal(after[1], before[1])  # layer 1 sees layer 0's changed output
+
+
+def mismatch(engine, policy, prompts) -> float:
+    """token_mult_prob_error between the sampler's log-probs and the learner's, on what the sampler generated."""
+    torch.manual_seed(0)
+    _, completions, logprobs, _ = engine.generate(prompts)
+    errors = []
+    for p, c, lp in zip(prompts, completions, logprobs, strict=True):
+        with torch.no_grad():
+            logits = policy(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float()
+        learner = logits.log_softmax(-1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+        errors.append(torch.exp((learner - torch.tensor([x[0] for x in lp])).abs()))
+    return torch.cat(errors).mean().item()
+
+
+def test_stale_scales_let_mismatch_grow_while_recalibrated_scales_keep_it_flat():
+    """The policy drifts (its K and V projections grow 1.5x per step, as a fast-moving policy's can): scales frozen at
+    step 0 saturate the cache more at every step, scales recalibrated every step do not."""
+    results = {}
+    for recalibrate in (True, False):
+        policy, tokenizer = load_demo_model_and_tokenizer()
+        prompts = demo_prompts(tokenizer, 32, seed=1)
+        engine = ReferenceEngine(
+            policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, max_completion_length=6,
+        )  # fmt: skip
+        engine.calibration_batch = left_pad(prompts[:16], tokenizer.pad_token_id)
+        engine.recalibrate = recalibrate
+        curve = []
+        for step in range(4):
+            if step:
+                with torch.no_grad():
+                    for layer in policy.model.layers:
+                        layer.self_attn.k_proj.weight.mul_(1.5)
+                        layer.self_attn.v_proj.weight.mul_(1.5)
+            engine.sync_weights()
+            curve.append(mismatch(engine, policy, prompts))
+        results[recalibrate] = curve
+    print("token_mult_prob_error per step, recalibrated:", [round(x, 4) for x in results[True]])
+    print("token_mult_prob_error per step, stale scales:", [round(x, 4) for x in results[False]])
+    assert results[True][0] == results[False][0]  # the same first calibration
+    # Recalibrated: FP8 KV noise only (a little more as the drifting attention sharpens). Stale: saturation.
+    assert max(results[True]) < 1.15, "recalibrated scales must keep the mismatch low"
+    assert results[False] == sorted(results[False]) and results[False][-1] > 2.0
+
+
+def test_a_missing_scale_is_an_error_never_one():
+    with pytest.raises(ValueError, match="layer 1 has no valid k/v scale"):
+        FP8KVCache([(0.1, 0.1), (-1.0, 0.1)])
+    policy, tokenizer = load_demo_model_and_tokenizer()
+    engine = ReferenceEngine(
+        policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="calibration_batch"):
+        engine.sync_weights()
+    with pytest.raises(ValueError, match="layer 0 has no valid k/v scale"):
+        engine.generate(demo_prompts(tokenizer, 2))  # never synced: no scales, no silent 1.0
+    engine.calibration_batch = left_pad(demo_prompts(tokenizer, 4), tokenizer.pad_token_id)
+    engine.sync_weights()
+    pairs = [(n, t) for n, t in engine.state_stream() if n != "model.layers.1.self_attn.v_scale"]
+    with pytest.raises(ValueError, match="missing from the stream: model.layers.1.self_attn.v_scale"):
+        load_state_stream(engine.sampler, pairs)
+
+
+def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
+    model, tokenizer = load_demo_model_and_tokenizer()
+    args = tiny_grpo_args(
+        tmp_path,
+        learning_rate=2e-4,
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=6,
+        max_steps=4,
+        fp8_kv_cache=True,
+        gradient_checkpointing=True,  # TRL then turns the policy's use_cache off: the sampler must still cache
+    )
+    trainer = FP8GRPOTrainer(
+        model=model,
+        reward_funcs=accuracy_reward,
+        args=args,
+        train_dataset=make_dataset(256),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "sampling/token_mult_prob_error" in log]
+    errors = [log["sampling/token_mult_prob_error"] for log in logs]
+    calibration = [log["fp8/kv_calibration_seconds"] for log in logs]
+    share = sum(calibration) / sum(log["step_time"] for log in logs)
+    print(
+        f"FP8/FP8 + FP8 KV: token_mult_prob_error {[round(e, 4) for e in errors]}, calibration {share:.1%} of step time"
+    )
+    assert len(errors) == 4 and sum(errors) / len(errors) < 1.1
+    engine = trainer.vllm_generation
+    assert dict(engine.state_stream())["model.layers.0.self_attn.k_scale"] > 0
+    # The engine's log-probs are those of the FP8-KV sampler on the same sequences (no cache-less recompute).
+    prompts = demo_prompts(tokenizer, 8)
+    _, completions, logprobs, _ = engine.generate(prompts)
+    scales = [
+        (a.k_scale.item(), a.v_scale.item()) for a in (engine.sampler.get_submodule(n) for n in engine._attn_names)
+    ]
+    for p, c, lp in zip(prompts, completions, logprobs, strict=True):
+        with torch.no_grad():
+            out = engine.sampler(torch.tensor([p + c]), past_key_values=FP8KVCache(scales), use_cache=True)
+        full = out.logits[0, len(p) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor([x[0] for x in lp]), full, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="fp8_kv_cache=True needs fp8_generation=True"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_cache=True, fp8_generation=False)
+    with pytest.raises(ValueError, match="fp8_kv_scale_percentile"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_scale_percentile=0)
+    with pytest.raises(ValueError, match="fp8_kv_scale_margin"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_scale_margin=-1)

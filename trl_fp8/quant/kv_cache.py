@@ -1,0 +1,108 @@
+"""FP8 KV cache: per-layer K/V scales calibrated from the policy, and a transformers cache that stores E4M3.
+
+The cache stores `clamp(x / s, ±448)` in E4M3 with one static dequant multiplier `s` per layer for keys and one for
+values, and dequantizes on read, as vLLM's `kv_cache_dtype="fp8"` does with checkpoint scales. vLLM names those
+multipliers `k_scale` / `v_scale` (`model.layers.{i}.self_attn.k_scale`); in this package's convention they are
+`scale_inv`s. Stale scales silently corrupt rollouts (values past `448 * s` saturate), so they are recalibrated from
+the updated policy after every optimizer step:
+
+    s = percentile_tokens(amax over heads and head dims of K (or V) after RoPE) * margin / 448
+
+The percentile over tokens ignores a handful of outlier tokens; the margin leaves room for the policy to drift.
+"""
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .blockwise import FP8_DTYPE, FP8_MAX
+
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_kv(x: torch.Tensor, scale_inv: float) -> torch.Tensor:
+    return (x.float() / scale_inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(q: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale_inv).to(dtype)
+
+
+def kv_scale_inv_from_amax(token_amax: torch.Tensor, percentile: float = 99.9, margin: float = 1.05) -> float:
+    """The dequant multiplier for one layer's K or V from its per-token amax values."""
+    amax = torch.quantile(token_amax.float().flatten(), percentile / 100.0).item()
+    return max(amax * margin / FP8_MAX, _TINY)
+
+
+class FP8KVLayer(DynamicLayer):
+    """One layer of the FP8 KV cache: E4M3 keys and values with static per-layer scales."""
+
+    def __init__(self, k_scale_inv: float, v_scale_inv: float):
+        super().__init__()
+        self.k_scale_inv, self.v_scale_inv = float(k_scale_inv), float(v_scale_inv)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        empty = (*key_states.shape[:-2], 0, key_states.shape[-1])
+        self.keys = torch.empty(empty, dtype=FP8_DTYPE, device=self.device)
+        self.values = torch.empty(
+            (*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=FP8_DTYPE, device=self.device
+        )
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, quantize_kv(key_states, self.k_scale_inv)], dim=-2)
+        self.values = torch.cat([self.values, quantize_kv(value_states, self.v_scale_inv)], dim=-2)
+        # Attention reads the cache, the current tokens included: they are quantized like every cached token.
+        return dequantize_kv(self.keys, self.k_scale_inv, self.dtype), dequantize_kv(
+            self.values, self.v_scale_inv, self.dtype
+        )
+
+
+class FP8KVCache(Cache):
+    """A transformers `Cache` of `FP8KVLayer`s, one per decoder layer, from `scale_invs[i] = (k, v)`."""
+
+    def __init__(self, scale_invs: list[tuple[float, float]]):
+        for i, (k, v) in enumerate(scale_invs):
+            if not (k > 0 and v > 0):
+                raise ValueError(f"FP8 KV cache: layer {i} has no valid k/v scale ({k}, {v}); calibrate first")
+        super().__init__(layers=[FP8KVLayer(k, v) for k, v in scale_invs])
+
+
+class KVAmaxRecorder(DynamicCache):
+    """A `DynamicCache` that records, for every layer, the per-token amax of the keys and values it stores."""
+
+    def __init__(self):
+        super().__init__()
+        self.token_amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # (B, H, T, D) -> (B, T): the largest magnitude any head stores for each token
+        self.token_amax[layer_idx] = (
+            key_states.detach().abs().amax(dim=(1, 3)).float(),
+            value_states.detach().abs().amax(dim=(1, 3)).float(),
+        )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+@torch.no_grad()
+def calibrate_kv_scales(
+    decoder: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    percentile: float = 99.9,
+    margin: float = 1.05,
+) -> torch.Tensor:
+    """Runs `decoder` (the base model, without its LM head) on a calibration batch and returns the (num_layers, 2)
+    fp32 tensor of K and V dequant multipliers, from the padding-free tokens only."""
+    recorder = KVAmaxRecorder()
+    decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=recorder, use_cache=True)
+    valid = attention_mask.bool()
+    scales = [
+        [kv_scale_inv_from_amax(amax[valid], percentile, margin) for amax in recorder.token_amax[i]]
+        for i in sorted(recorder.token_amax)
+    ]
+    return torch.tensor(scales, dtype=torch.float32)
