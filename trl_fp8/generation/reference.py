@@ -30,7 +30,9 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
     """An empty copy of `policy`'s architecture in `dtype`, with the recipe's linears as `W8A8Linear` (and fused
     MoE experts as per-expert `W8A8Experts`) if `fp8`."""
     config = copy.deepcopy(policy.config)
-    config.use_cache = True  # the learner's config may have it off (gradient checkpointing); a sampler decodes with one
+    config.use_cache = (
+        True  # the learner's config may have it off (gradient checkpointing); a sampler decodes with one
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to(policy.device if hasattr(policy, "device") else "cpu").eval().requires_grad_(False)
     if fp8:
