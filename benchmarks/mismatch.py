@@ -114,14 +114,19 @@ def main():
     parser.add_argument("--batch", type=int, default=128, help="completions per step (16 prompts x 8)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="3 steps, one seed: a smoke run for CI")
+    parser.add_argument("--replot", action="store_true", help="only redraw mismatch.png from mismatch.json")
     args = parser.parse_args()
+    out = Path(args.output_dir)
+    if args.replot:
+        results = json.loads((out / "mismatch.json").read_text())["runs"]
+        plot_curves(results, out / "mismatch.png", title="CPU demo: reward and learner/sampler mismatch")
+        return
     if args.quick:
         args.steps, args.seeds, args.batch = 3, [0], 32
     torch.set_num_threads(1)  # the demo model is tiny: one thread is fastest and leaves the other core free
     transformers.logging.set_verbosity_error()
     logging.getLogger("trl_fp8").setLevel(logging.ERROR)
 
-    out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = [(p, i, s) for p in PRECISIONS for i in IS_MODES for s in args.seeds]
     results: dict[str, list[list[dict]]] = {}

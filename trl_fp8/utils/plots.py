@@ -21,6 +21,7 @@ def plot_curves(
     keys: Sequence[str] = ("reward", "sampling/token_mult_prob_error"),
     title: str | None = None,
     smooth: int = 5,
+    log_excess: Sequence[str] = ("sampling/token_mult_prob_error",),
 ) -> Path:
     """One panel per metric, one line per run (mean over its seeds, shaded by the seed spread); saves a PNG.
 
@@ -30,6 +31,8 @@ def plot_curves(
         keys: The metrics to plot, one panel each.
         title: Figure title.
         smooth: Window of the moving average drawn over each mean curve (1: none).
+        log_excess: Metrics whose ideal value is 1 (`token_mult_prob_error`): drawn as `value - 1` on a log axis, so
+            that 1.00002 and 1.016 are told apart as easily as 1.016 and 1.1.
     """
     import matplotlib
 
@@ -46,6 +49,8 @@ def plot_curves(
             n = min(len(c[0]) for c in curves)
             steps = curves[0][0][:n]
             values = np.stack([c[1][:n] for c in curves])
+            if key in log_excess:
+                values = np.maximum(values - 1.0, 1e-9)
             mean = values.mean(0)
             if smooth > 1 and n >= smooth:
                 # A per-step reward over a few prompts is noisy: draw the raw mean faintly, its moving average bold.
@@ -57,7 +62,9 @@ def plot_curves(
             if len(curves) > 1:
                 ax.fill_between(steps, values.min(0), values.max(0), color=line.get_color(), alpha=0.15)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(key)
+        ax.set_ylabel(f"{key} - 1 (log scale)" if key in log_excess else key)
+        if key in log_excess:
+            ax.set_yscale("log")
         ax.set_title(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
