@@ -235,3 +235,17 @@ def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):
             train_dataset=make_dataset(8),
             processing_class=demo_tokenizer,
         )
+
+
+def test_peft_is_refused_with_a_clear_error(tmp_path, demo_tokenizer):
+    from peft import LoraConfig
+
+    with pytest.raises(NotImplementedError, match="does not support PEFT"):
+        FP8GRPOTrainer(
+            model=tiny_policy(demo_tokenizer),
+            reward_funcs=digit_reward,
+            args=tiny_grpo_args(tmp_path),
+            train_dataset=make_dataset(8),
+            processing_class=demo_tokenizer,
+            peft_config=LoraConfig(target_modules=["q_proj"]),
+        )

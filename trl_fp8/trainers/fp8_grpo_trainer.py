@@ -2,6 +2,7 @@ import json
 import os
 
 import torch
+from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -46,6 +47,11 @@ class FP8GRPOTrainer(GRPOTrainer):
             raise TypeError(
                 f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}: replace GRPOConfig(...) by "
                 "FP8GRPOConfig(...) with the same arguments."
+            )
+        if kwargs.get("peft_config") is not None or is_peft_model(model):
+            raise NotImplementedError(
+                "FP8GRPOTrainer does not support PEFT models yet (peft_config / a PeftModel): the FP8 sampler would "
+                "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
         recipe = args.resolved_fp8_recipe
