@@ -1,6 +1,7 @@
 """The README's main job and the benchmark scripts, run as a user runs them (subprocesses, real files)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +59,14 @@ def test_mismatch_benchmark_quick(tmp_path):
         assert f"| {row} |" in table, row
     assert (tmp_path / "mismatch.png").stat().st_size > 10_000
     assert (tmp_path / "mismatch.json").exists()
+
+
+def test_gpu_bench_smoke(tmp_path):
+    # The GPU benchmark's plumbing, on tiny shapes (on CPU it times the emulated backend: the figures mean nothing).
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--output_dir", str(tmp_path)]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert {"gemm", "linear", "quantize", "train_step", "targets_met"} <= report.keys()
+    assert all(r["sqnr_vs_emulated_db"] > 35 for r in report["gemm"])
+    assert (tmp_path / "gpu_bench.md").read_text().startswith("Device:")
