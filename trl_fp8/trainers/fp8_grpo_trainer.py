@@ -48,7 +48,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}: replace GRPOConfig(...) by "
                 "FP8GRPOConfig(...) with the same arguments."
             )
-        if kwargs.get("peft_config") is not None or is_peft_model(model):
+        if kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model)):
             raise NotImplementedError(
                 "FP8GRPOTrainer does not support PEFT models yet (peft_config / a PeftModel): the FP8 sampler would "
                 "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
