@@ -6,21 +6,15 @@ For a tiny Qwen3-MoE and a tiny DeepSeek-V3-style model (4 experts, top-2, every
 GRPO steps in each configuration and prints the mean `sampling/token_mult_prob_error` and `fp8/router_mismatch`.
 """
 
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import transformers
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import digit_reward, tiny_grpo_args  # noqa: E402
-from test_moe import MOONLIGHT, deepseek_v3, qwen3_moe  # noqa: E402
-
-from trl_fp8 import FP8GRPOTrainer, FP8Recipe  # noqa: E402
-from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
-from trl_fp8.demo.task import make_dataset  # noqa: E402
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8.demo.make_model import build_tokenizer
+from trl_fp8.demo.task import DEMO_GRPO_KWARGS, digit_count_reward, make_dataset
+from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3, tiny_qwen3_moe
 
 
 CONFIGS = {"FP8 gen + BF16 train": dict(fp8_training=False), "FP8/FP8": dict(fp8_training=True)}
@@ -31,15 +25,16 @@ def main():
     transformers.logging.set_verbosity_error()
     tokenizer = build_tokenizer()
     print("| model | configuration | token_mult_prob_error | fp8/router_mismatch |\n| --- | --- | --- | --- |")
-    for model_name, build, recipe in (("Qwen3-MoE", qwen3_moe, FP8Recipe()), ("DeepSeek-V3", deepseek_v3, MOONLIGHT)):
+    models = (("Qwen3-MoE", tiny_qwen3_moe, FP8Recipe()), ("DeepSeek-V3", tiny_deepseek_v3, MOONLIGHT_RECIPE))
+    for model_name, build, recipe in models:
         for label, flags in CONFIGS.items():
             with tempfile.TemporaryDirectory() as tmp:
-                args = tiny_grpo_args(
-                    tmp, learning_rate=1e-3, max_steps=5, per_device_train_batch_size=16, num_generations=8,
-                    max_completion_length=8, fp8_recipe=recipe.to_dict(), disable_tqdm=True, **flags,
+                args = FP8GRPOConfig(
+                    output_dir=tmp, learning_rate=1e-3, max_steps=5, per_device_train_batch_size=16,
+                    **{**DEMO_GRPO_KWARGS, "max_completion_length": 8}, fp8_recipe=recipe.to_dict(), seed=0, **flags,
                 )  # fmt: skip
                 trainer = FP8GRPOTrainer(
-                    model=build(tokenizer), reward_funcs=digit_reward, args=args,
+                    model=build(tokenizer), reward_funcs=digit_count_reward, args=args,
                     train_dataset=make_dataset(80), processing_class=tokenizer,
                 )  # fmt: skip
                 trainer.remove_callback(transformers.PrinterCallback)

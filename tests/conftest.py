@@ -2,6 +2,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: F401  (shared by the tests)
+
 
 def tiny_config_kwargs(**overrides):
     # Every linear dim is a multiple of 128: hidden 256, 4 heads x 64 (q/o 256), 2 kv heads (k/v 128), mlp 512.
@@ -50,24 +52,12 @@ def demo_tokenizer():
     return build_tokenizer()
 
 
-def tiny_policy(tokenizer, model_cls=LlamaForCausalLM, config_cls=LlamaConfig, num_hidden_layers=2, seed=0):
+def tiny_policy(tokenizer, num_hidden_layers=2, seed=0):
+    """A randomly initialised copy of the demo model's architecture (every linear dim a multiple of 128)."""
+    from trl_fp8.demo.make_model import build_model
+
     torch.manual_seed(seed)
-    config = config_cls(
-        **tiny_config_kwargs(
-            vocab_size=128,
-            num_hidden_layers=num_hidden_layers,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
-    return model_cls(config)
-
-
-def digit_reward(completions, **kwargs):
-    """A dense reward any model earns some of: the number of digits it writes."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversational: messages
-    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
+    return build_model(tokenizer, num_hidden_layers=num_hidden_layers)
 
 
 def tiny_grpo_args(output_dir, **overrides):

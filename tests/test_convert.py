@@ -80,6 +80,7 @@ def test_training_step_changes_every_parameter(tiny_qwen2):
 @pytest.mark.parametrize(
     "kwargs,field",
     [
+        ({"weight_block_size": [64, 64], "backend": "torch"}, "weight_block_size"),
         ({"weight_block_size": [128]}, "weight_block_size"),
         ({"activation_block_size": [128, 128]}, "activation_block_size"),
         ({"backend": "cuda"}, "backend"),

@@ -2,60 +2,17 @@
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config_kwargs, tiny_grpo_args
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from conftest import digit_reward, tiny_grpo_args
 
 from trl_fp8 import FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import make_dataset
+from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE as MOONLIGHT
+from trl_fp8.demo.tiny_moe import tiny_deepseek_v3 as deepseek_v3
+from trl_fp8.demo.tiny_moe import tiny_qwen3_moe as qwen3_moe
 from trl_fp8.generation import build_sampler_model
 from trl_fp8.quant import dequantize_blockwise, iter_fp8_state, quantize_blockwise
 from trl_fp8.quant.export import load_state_stream
 from trl_fp8.quant.moe import FP8Experts, W8A8Experts
-
-
-def qwen3_moe(tokenizer=None, seed=0):
-    torch.manual_seed(seed)
-    ids = {} if tokenizer is None else dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config = Qwen3MoeConfig(
-        **tiny_config_kwargs(vocab_size=128, num_hidden_layers=2, **ids),
-        moe_intermediate_size=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    return Qwen3MoeForCausalLM(config)
-
-
-def deepseek_v3(tokenizer=None, seed=0):
-    torch.manual_seed(seed)
-    ids = {} if tokenizer is None else dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config = DeepseekV3Config(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        n_shared_experts=1,
-        first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=128,
-        kv_lora_rank=128,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        **ids,
-    )
-    return DeepseekV3ForCausalLM(config)
-
-
-# Moonlight keeps MLA's low-rank projections in BF16 (NeMo RL's recipe).
-MOONLIGHT = FP8Recipe(modules_to_not_convert=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"])
 
 
 def test_per_expert_quantization_equals_quantizing_each_expert_alone():

@@ -62,6 +62,11 @@ class FP8Recipe(PushToHubMixin):
             )
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"FP8Recipe.backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if self.backend in ("torch", "te") and self.weight_block_size != [128, 128]:
+            raise ValueError(
+                f"FP8Recipe.weight_block_size {self.weight_block_size} needs backend='emulated': the {self.backend!r} "
+                "backend only has 128x128 weight blocks"
+            )
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

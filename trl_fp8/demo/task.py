@@ -79,6 +79,13 @@ def accuracy_reward(completions: list[str], answer: list[str], **kwargs) -> list
     return [float(c.replace("<eos>", "").strip() == a) for c, a in zip(completions, answer, strict=True)]
 
 
+def digit_count_reward(completions: list, **kwargs) -> list[float]:
+    """A dense reward any model earns some of, even untrained: the number of digits it writes. For tests and
+    benchmarks on randomly initialised models, where an exact-match reward would be zero everywhere."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # conversational: messages
+    return [float(sum(ch.isdigit() for ch in t)) for t in texts]
+
+
 @torch.no_grad()
 def generation_accuracy(model, tokenizer, prompts: list[str], answers: list[str], do_sample: bool = True) -> float:
     """Fraction of prompts that `model.generate` answers correctly, scored with `accuracy_reward`.

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
+from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import iter_fp8_state, iter_hp_state, load_state_stream, stream_nbytes
@@ -53,12 +54,9 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
 
 def left_pad(ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)` of token-id lists, padded on the left as decoder-only generation wants."""
-    width = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, x in enumerate(ids):
-        input_ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
-        attention_mask[i, width - len(x) :] = 1
+    rows = [torch.tensor(x, dtype=torch.long) for x in ids]
+    input_ids = pad(rows, padding_value=pad_token_id, padding_side="left")
+    attention_mask = pad([torch.ones_like(r) for r in rows], padding_value=0, padding_side="left")
     return input_ids, attention_mask
 
 

@@ -13,9 +13,12 @@ grid bit for bit. A high-precision learner with an FP8 sampler ("FP8 generation 
 the recipe selects are then quantized here, with the recipe's rule.
 """
 
+import copy
+import os
 from collections.abc import Iterator
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from .blockwise import quantize_blockwise
@@ -121,11 +124,6 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
     plus `config.json` with the recipe's `quantization_config` (the high-precision linears listed in
     `modules_to_not_convert`). Returns the names of the FP8 weights."""
-    import copy
-    import os
-
-    from safetensors.torch import save_file
-
     converted = getattr(model, "fp8_recipe", None) is not None
     tensors = dict(iter_fp8_state(model, None if converted else recipe))
     fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]

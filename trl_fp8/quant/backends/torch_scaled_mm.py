@@ -49,6 +49,10 @@ def gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in `b_block` blocks along K -> (M, N) in `out_dtype`."""
+    if tuple(b_block) not in ((128, 128), (1, 128)):
+        raise ValueError(
+            f"the torch backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}; use 'emulated'"
+        )
     m = a.shape[0]
     a, _ = _pad_k(a.contiguous(), a_scale_inv)
     b, _ = _pad_k(b.contiguous(), b_scale_inv)
