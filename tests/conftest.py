@@ -1,8 +1,15 @@
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+import os
 
-from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: F401  (shared by the tests)
+import torch
+
+
+# Without a GPU, Triton's own CPU interpreter runs the fast-path kernels on CPU tensors (tests/test_triton_kernels.py);
+# it must be switched on before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
 def tiny_config_kwargs(**overrides):

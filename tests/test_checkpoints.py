@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_grpo_args, tiny_policy
+from conftest import tiny_grpo_args, tiny_policy
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.quant import FP8Linear, dequantize_blockwise
 from trl_fp8.recipe import RECIPE_NAME

@@ -68,5 +68,8 @@ def test_gpu_bench_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert {"gemm", "linear", "quantize", "train_step", "targets_met"} <= report.keys()
-    assert all(r["sqnr_vs_emulated_db"] > 35 for r in report["gemm"])
+    assert report["errors"] == {}
+    for backend in report["backends"]:
+        assert all(r[backend]["sqnr_vs_emulated_db"] > 35 for r in report["gemm"])
+        assert report["train_step"][backend]["ratio"] > 0
     assert (tmp_path / "gpu_bench.md").read_text().startswith("Device:")

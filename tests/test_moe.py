@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_grpo_args
+from conftest import tiny_grpo_args
 
 from trl_fp8 import FP8GRPOTrainer, FP8Recipe, convert_to_fp8
+from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE as MOONLIGHT
 from trl_fp8.demo.tiny_moe import tiny_deepseek_v3 as deepseek_v3

@@ -3,11 +3,12 @@ real `datasets.Dataset`, all built in-process."""
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_grpo_args, tiny_policy
+from conftest import tiny_grpo_args, tiny_policy
 from datasets import Dataset
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
+from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.quant import FP8Linear, W8A8Linear, quantize_blockwise
 
 

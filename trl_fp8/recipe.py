@@ -29,7 +29,8 @@ class FP8Recipe(PushToHubMixin):
             Blackwell). `False` keeps plain fp32 scales, as NeMo RL ships (`NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`).
         backend (`str`, *optional*, defaults to `"auto"`):
             GEMM backend of the learner: `"auto"` (fastest available), `"emulated"` (dequantize + fp32 matmul, any
-            device), `"torch"` (`F.scaled_mm` blockwise, Hopper) or `"te"` (TransformerEngine).
+            device), `"torch"` (`F.scaled_mm` blockwise, Hopper), `"triton"` (trl-fp8's Triton kernels, Hopper) or
+            `"te"` (TransformerEngine).
         num_first_layers_in_bf16 (`int`, *optional*, defaults to `0`):
             Keep the linears of this many first decoder layers in high precision.
         num_last_layers_in_bf16 (`int`, *optional*, defaults to `0`):
@@ -62,7 +63,7 @@ class FP8Recipe(PushToHubMixin):
             )
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"FP8Recipe.backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
-        if self.backend in ("torch", "te") and self.weight_block_size != [128, 128]:
+        if self.backend in ("torch", "triton", "te") and self.weight_block_size != [128, 128]:
             raise ValueError(
                 f"FP8Recipe.weight_block_size {self.weight_block_size} needs backend='emulated': the {self.backend!r} "
                 "backend only has 128x128 weight blocks"

@@ -9,10 +9,11 @@ from accelerate import PartialState
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import digit_reward, tiny_grpo_args, tiny_policy  # noqa: E402
+from conftest import tiny_grpo_args, tiny_policy  # noqa: E402
 
 from trl_fp8 import FP8GRPOTrainer  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
+from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backends import resolve_backend
-from .blockwise import quantize_blockwise
+from .backends._quantize import check_amax
 
 
 # Fused optimizers (transformers' default `adamw_torch_fused`) update parameters without bumping their version
@@ -36,7 +36,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     """Y = X · Wᵀ (+ b) with FP8 operands in all three GEMMs (M tokens, K = in_features, N = out_features):
 
     - fprop: Y[M, N]  = X[M, K] · W[N, K]ᵀ     X in 1x128 blocks along K, W in 128x128 blocks
-    - dgrad: dX[M, K] = dY[M, N] · W[N, K]     dY in 1x128 blocks along N; W reused (same FP8 bits, scales transposed)
+    - dgrad: dX[M, K] = dY[M, N] · W[N, K]     dY in 1x128 blocks along N; Wᵀ: W's FP8 bits and scales transposed
     - wgrad: dW[N, K] = dY[M, N]ᵀ · X[M, K]    dYᵀ and Xᵀ in 1x128 blocks along M, the token dim (TE's column-wise
       usage; X is quantized this way from the high-precision input in forward, never re-quantized from FP8)
 
@@ -44,17 +44,15 @@ class _FP8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_fp8, w_scale_inv, w_block, backend, pow2_scales):
+    def forward(ctx, x, weight, bias, w_fp8, w_scale_inv, w_fp8_t, w_block, backend, pow2_scales):
         x2d = x.reshape(-1, x.shape[-1])
-        x_fp8, x_scale_inv = quantize_blockwise(x2d, (1, 128), pow2_scales=pow2_scales, check_finite=False)
+        # One pass makes both usages: X for fprop, Xᵀ for wgrad (only when the weight needs a gradient).
+        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = backend.quantize_act(x2d, pow2_scales, weight.requires_grad)
         # [M, K] @ [K, N] -> [M, N]
         y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        xt_fp8 = xt_scale_inv = None
-        if weight.requires_grad:
-            xt_fp8, xt_scale_inv = quantize_blockwise(x2d.t(), (1, 128), pow2_scales=pow2_scales, check_finite=False)
-        ctx.save_for_backward(w_fp8, w_scale_inv, xt_fp8, xt_scale_inv)
+        ctx.save_for_backward(w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv)
         ctx.backend, ctx.pow2_scales, ctx.w_block = backend, pow2_scales, w_block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -62,23 +60,22 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        w_fp8, w_scale_inv, xt_fp8, xt_scale_inv = ctx.saved_tensors
+        w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv = ctx.saved_tensors
         backend, pow2 = ctx.backend, ctx.pow2_scales
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
+        dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = backend.quantize_act(dy2d, pow2, ctx.needs_input_grad[1])
         if ctx.needs_input_grad[0]:
-            dy_fp8, dy_scale_inv = quantize_blockwise(dy2d, (1, 128), pow2_scales=pow2, check_finite=False)
             # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
             w_block_t = (ctx.w_block[1], ctx.w_block[0])
-            dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8.t(), w_scale_inv.t(), w_block_t, ctx.x_dtype)
+            dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv.t(), w_block_t, ctx.x_dtype)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dyt_fp8, dyt_scale_inv = quantize_blockwise(dy2d.t(), (1, 128), pow2_scales=pow2, check_finite=False)
             # [N, M] @ [M, K] -> [N, K]
             dw = backend.gemm(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, (1, 128), ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -88,7 +85,7 @@ class FP8Linear(nn.Linear):
         in_features (`int`), out_features (`int`), bias (`bool`), device, dtype:
             As for `nn.Linear`.
         backend (`str`, *optional*, defaults to `"auto"`):
-            GEMM backend: `"auto"`, `"emulated"` or `"torch"` (see `trl_fp8.quant.backends`). Resolved on the first
+            GEMM backend: `"auto"`, `"emulated"`, `"torch"` or `"triton"` (see `trl_fp8.quant.backends`). Resolved on the first
             forward, for the device of the input.
         pow2_scales (`bool`, *optional*, defaults to `False`):
             Round every scale down to a power of two.
@@ -152,13 +149,31 @@ class FP8Linear(nn.Linear):
     @torch.no_grad()
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes:
-        an optimizer step, an in-place write (version counter) or a new tensor."""
+        an optimizer step, an in-place write (version counter) or a new tensor. Raises a `ValueError` naming the
+        parameter if the weight holds NaN or inf."""
+        q, s, _ = self._quantized(check_finite=True)
+        return q, s
+
+    @torch.no_grad()
+    def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(weight_fp8, weight_scale_inv, weight_fp8ᵀ)`; the transpose is dgrad's operand (contiguous on GPUs,
+        whose FP8 MMA reads both operands K-major: made once per step instead of once per backward)."""
         w = self.weight
         key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
         if self._w_cache is None or self._w_cache[0] != key:
-            q, s = quantize_blockwise(w, self.weight_block_size, pow2_scales=self.pow2_scales, name=self.fp8_name)
-            self._w_cache = (key, q, s)
-        return self._w_cache[1], self._w_cache[2]
+            backend = self._backend_for(w.device)
+            # A GPU forward must not wait on the host for the NaN/inf check: it is deferred to the next
+            # `quantized_weight()`, which the sampler sync calls once per step.
+            defer = w.is_cuda and not check_finite
+            q, s, amax = backend.quantize_weight(
+                w, self.weight_block_size, self.pow2_scales, self.fp8_name, check_finite=not defer
+            )
+            qt = q.t().contiguous() if w.is_cuda and w.requires_grad else q.t()
+            self._w_cache = (key, q, s, qt, amax)
+        if check_finite and self._w_cache[4] is not None:
+            check_amax(self._w_cache[4], w, self.fp8_name)
+            self._w_cache = (*self._w_cache[:4], None)
+        return self._w_cache[1:4]
 
     def _backend_for(self, device: torch.device):
         if device not in self._backends:
@@ -166,13 +181,14 @@ class FP8Linear(nn.Linear):
         return self._backends[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w_fp8, w_scale_inv = self.quantized_weight()
+        w_fp8, w_scale_inv, w_fp8_t = self._quantized(check_finite=False)
         return _FP8LinearFunction.apply(
             x,
             self.weight,
             self.bias,
             w_fp8,
             w_scale_inv,
+            w_fp8_t,
             self.weight_block_size,
             self._backend_for(x.device),
             self.pow2_scales,

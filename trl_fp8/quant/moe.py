@@ -64,8 +64,9 @@ class FP8Experts(nn.Module):
         if x.device not in self._backends:
             self._backends[x.device] = resolve_backend(self.backend, x.device)
         weight = getattr(self, which)[e]  # a view: its gradient lands in the fused Parameter
+        # Wᵀ stays a view of the fused tensor here; a backend that needs it K-major copies it.
         return _FP8LinearFunction.apply(
-            x, weight, None, q[e], s[e], (128, 128), self._backends[x.device], self.pow2_scales
+            x, weight, None, q[e], s[e], q[e].t(), (128, 128), self._backends[x.device], self.pow2_scales
         )
 
     def forward(self, hidden_states, top_k_index, top_k_weights):

@@ -1,8 +1,16 @@
-"""GEMM backends behind one narrow interface: `gemm(a, a_scale_inv, b, b_scale_inv, b_block, out_dtype)` computes
-`A @ B.T` for A (M, K) quantized in 1x128 blocks and B (N, K) in `b_block` blocks, both along K.
+"""FP8 backends behind one narrow interface, three functions per backend module:
 
-- `emulated`: dequantize + fp32 matmul, any device (the oracle).
-- `torch`: `torch.nn.functional.scaled_mm` blockwise, Hopper only.
+- `gemm(a, a_scale_inv, b, b_scale_inv, b_block, out_dtype)`: `A @ B.T` for A (M, K) quantized in 1x128 blocks and
+  B (N, K) in `b_block` blocks, both along K.
+- `quantize_act(x2d, pow2_scales, with_t)`: X in 1x128 blocks along K, and Xᵀ in 1x128 blocks along M for wgrad.
+- `quantize_weight(w, block, pow2_scales, name, check_finite)`: W in `block` blocks -> `(q, scale_inv, amax)`,
+  refusing NaN/inf with the parameter's name, or handing back the block amax to check later (`amax` is else None).
+
+The backends:
+
+- `emulated`: reference quantization, dequantize + fp32 matmul, any device (the oracle).
+- `torch`: `torch.nn.functional.scaled_mm` blockwise (cuBLAS), Hopper only; fused Triton quantization.
+- `triton`: trl-fp8's own Triton block-scaled GEMM and fused quantization, Hopper and newer.
 - `te`: TransformerEngine swaps whole modules instead of GEMMs and arrives in its own change; asking for it raises.
 """
 
@@ -11,13 +19,18 @@ from types import ModuleType
 
 import torch
 
-from . import emulated, torch_scaled_mm
+from . import emulated, torch_scaled_mm, triton_gemm
+from ._quantize import interpreting
 
 
 logger = logging.getLogger(__name__)
 
-BACKENDS: dict[str, ModuleType] = {"torch": torch_scaled_mm, "emulated": emulated}  # fastest first
-BACKEND_NAMES = ("auto", "emulated", "torch", "te")
+BACKENDS: dict[str, ModuleType] = {
+    "torch": torch_scaled_mm,
+    "triton": triton_gemm,
+    "emulated": emulated,
+}  # fastest first
+BACKEND_NAMES = ("auto", "emulated", "torch", "triton", "te")
 _auto_logged: set[str] = set()
 
 
@@ -50,6 +63,11 @@ def resolve_backend(name: str, device: torch.device | None = None) -> ModuleType
     if not ok:
         status = "\n".join(f"  {k}: {v}" for k, v in available_backends(device).items())
         raise RuntimeError(f"FP8 backend {name!r} cannot run here. Backends on this machine:\n{status}")
-    if device is not None and name != "emulated" and device.type != "cuda":
+    if (
+        device is not None
+        and name != "emulated"
+        and device.type != "cuda"
+        and not (name == "triton" and interpreting())
+    ):
         raise RuntimeError(f"FP8 backend {name!r} needs CUDA tensors, got tensors on {device}")
     return mod

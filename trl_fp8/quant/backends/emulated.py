@@ -4,9 +4,12 @@ backend (products of FP8 values are exact in fp32, so only the accumulation orde
 import torch
 
 from ..blockwise import dequantize_blockwise
+from ._quantize import reference_act as quantize_act
+from ._quantize import reference_weight as quantize_weight
 
 
 name = "emulated"
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_weight"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

@@ -4,14 +4,18 @@
 Layout rules of the cuBLAS kernel behind it: `mat_b` is column-major (pass `B.t()` of a row-major B), 1x128 scales
 are (rows, K/128) and outer-dim-major (`s.t().contiguous().t()`), 128x128 scales are (N/128, K/128) padded to a
 multiple of 4 along K/128 and passed transposed; K is padded here to whole 128-blocks (zeros add nothing), and M
-to a multiple of 4.
+to a multiple of 4. Quantization runs in the fused Triton kernels where Triton is installed.
 """
 
 import torch
 import torch.nn.functional as F
 
+from ._quantize import fast_act as quantize_act
+from ._quantize import fast_weight as quantize_weight
+
 
 name = "torch"
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_weight"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

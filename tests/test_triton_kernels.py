@@ -1,0 +1,178 @@
+"""The fast path's Triton kernels against the readable reference (`quantize_blockwise`, the `emulated` GEMM).
+
+On a GPU the kernels are compiled and must match the reference bit for bit. Without one they run in Triton's CPU
+interpreter (switched on in conftest), which executes the same kernel code with numpy but rounds fp32 -> E4M3 its own
+way (round-half-up, no carry into the exponent): there, codes are compared bit for bit only on inputs whose scaled
+values are already on the E4M3 grid, which still checks every index, mask, transpose, scale and layout; the rounding
+itself is checked on the GPU.
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import sqnr_db
+from torch import nn
+
+from trl_fp8.quant import FP8Linear, quantize_blockwise
+from trl_fp8.quant.backends import emulated, resolve_backend
+from trl_fp8.quant.backends._quantize import fast_act, fast_weight, triton_status
+
+
+triton = pytest.importorskip("triton")
+# Before 3.9 the CPU interpreter cannot loop over a runtime int with numpy >= 2.4 (`int()` of a 1-element array).
+_OLD_INTERPRETER = not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9)
+pytestmark = [
+    pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1]),
+    pytest.mark.skipif(_OLD_INTERPRETER, reason="Triton's CPU interpreter needs triton >= 3.9"),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EXACT_ROUNDING = DEVICE == "cuda"
+# The same FP8 products summed in another order. In fp32 (the interpreter) that is ~2^-24 per add: > 100 dB. Hopper's
+# FP8 MMA keeps only ~14 mantissa bits while it sums one 128-deep K block (DeepSeek-V3 §3.3.2; the reason scales are
+# applied per block in fp32): ~2^-13 relative, measured 78 dB for both cuBLAS and Triton on an H200.
+ACCUMULATION_DB = 70 if DEVICE == "cuda" else 100
+
+
+def _codes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def _on_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Every finite E4M3 value, times one power of two per 128x128 tile: pow2 scales keep these exact."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x3F  # the two NaN codes -> 1.875
+    tiles = torch.randint(-6, 7, (-(-rows // 128), -(-cols // 128)), generator=g).float()
+    factor = (2.0**tiles).repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return codes.view(torch.float8_e4m3fn).float() * factor
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 130)])
+def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape):
+    x = _on_grid(*shape, seed=shape[0]).to(DEVICE)
+    q, s, qt, st = fast_act(x, pow2_scales=True, with_t=True)
+    rq, rs = quantize_blockwise(x, (1, 128), pow2_scales=True)
+    rqt, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=True)
+    assert torch.equal(_codes(q), _codes(rq)) and torch.equal(s, rs)
+    assert torch.equal(_codes(qt), _codes(rqt)) and torch.equal(st, rst)
+    # Scales come out column-major (outer-dim-major), the layout block-scaled GEMMs read.
+    assert s.stride() == (1, shape[0]) and st.stride() == (1, shape[1])
+    q2, s2, none_q, none_s = fast_act(x, pow2_scales=True, with_t=False)
+    assert torch.equal(_codes(q2), _codes(rq)) and none_q is None and none_s is None
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_act_quantization_matches_reference_on_random_inputs(pow2):
+    torch.manual_seed(0)
+    x = (torch.randn(384, 260) * torch.logspace(-3, 3, 384)[:, None]).to(DEVICE, torch.bfloat16)
+    x[5, :128] = 0  # an all-zero block: scale 1
+    q, s, qt, st = fast_act(x, pow2_scales=pow2, with_t=True)
+    rq, rs = quantize_blockwise(x, (1, 128), pow2_scales=pow2)
+    rqt, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=pow2)
+    # Scales depend on the block amax alone, through a correctly rounded division: bit-exact on any machine.
+    assert torch.equal(s, rs) and torch.equal(st, rst)
+    if EXACT_ROUNDING:
+        assert torch.equal(_codes(q), _codes(rq)) and torch.equal(_codes(qt), _codes(rqt))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_weight_kernel_matches_reference(shape, pow2):
+    w = (_on_grid(*shape, seed=1) if pow2 else torch.randn(shape) * 0.02).to(DEVICE)
+    q, s, amax = fast_weight(w, (128, 128), pow2, "w")
+    assert amax is None  # checked, not handed back
+    rq, rs = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+    assert torch.equal(s, rs)
+    if pow2 or EXACT_ROUNDING:
+        assert torch.equal(_codes(q), _codes(rq))
+
+
+def test_weight_kernel_refuses_nonfinite_weights_by_name():
+    w = torch.randn(256, 256, device=DEVICE)
+    w[3, 200] = float("inf")
+    with pytest.raises(ValueError, match=r"'layers.0.o_proj.weight'.*1 of 65536.*0 NaN, 1 inf"):
+        fast_weight(w, (128, 128), False, "layers.0.o_proj.weight")
+    _, _, amax = fast_weight(w, (128, 128), False, "layers.0.o_proj.weight", check_finite=False)
+    assert amax.shape == (2, 2) and torch.isinf(amax[0, 1]) and torch.isfinite(amax[[0, 1, 1], [0, 0, 1]]).all()
+
+
+def test_nonfinite_weight_is_refused_at_the_latest_by_the_next_export():
+    """A GPU forward defers the weight's NaN check (no host sync per layer); `quantized_weight()`, which every
+    sampler sync calls, then raises naming the layer. On CPU the forward itself raises."""
+    fast, _ = _linear_pair(torch.randn(256, 256), torch.zeros(256), pow2=False)
+    fast.fp8_name = "model.layers.1.mlp.up_proj.weight"
+    with torch.no_grad():
+        fast.weight[7, 7] = float("nan")
+    x = torch.randn(3, 256, device=DEVICE)
+    if DEVICE == "cuda":
+        assert torch.isnan(fast(x)).any()
+    else:
+        with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+            fast(x)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight.*1 NaN"):
+        fast.quantized_weight()
+
+
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+@pytest.mark.parametrize("transposed_b", [False, True])
+def test_triton_gemm_matches_emulated(b_block, transposed_b):
+    from trl_fp8.quant.backends.triton_kernels import gemm
+
+    torch.manual_seed(0)
+    a, sa = quantize_blockwise(torch.randn(200, 300, device=DEVICE), (1, 128))
+    if transposed_b:  # dgrad's operand: a transposed view of a (K, N) weight
+        bt, sbt = quantize_blockwise(torch.randn(300, 136, device=DEVICE), b_block[::-1])
+        b, sb = bt.t(), sbt.t()
+    else:
+        b, sb = quantize_blockwise(torch.randn(136, 300, device=DEVICE), b_block)
+    out = gemm(a, sa, b, sb, b_block, torch.float32)
+    ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
+    assert out.shape == (200, 136)
+    assert sqnr_db(ref, out) > ACCUMULATION_DB
+
+
+def _linear_pair(weight: torch.Tensor, bias: torch.Tensor, pow2: bool) -> tuple[FP8Linear, FP8Linear]:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], device=DEVICE, dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        lin.bias.copy_(bias)
+    fast = FP8Linear.from_linear(copy.deepcopy(lin), backend="triton", pow2_scales=pow2)
+    slow = FP8Linear.from_linear(copy.deepcopy(lin), backend="emulated", pow2_scales=pow2)
+    assert fast._backend_for(torch.device(DEVICE)) is resolve_backend("triton", torch.device(DEVICE))
+    return fast, slow
+
+
+def _fprop_dgrad_wgrad(module: FP8Linear, x: torch.Tensor, dy: torch.Tensor):
+    x = x.clone().requires_grad_()
+    y = module(x)
+    (y * dy).sum().backward()  # dy is exactly the output gradient
+    return y, x.grad, module.weight.grad, module.bias.grad
+
+
+def test_fp8_linear_on_triton_backend_matches_emulated_exactly_on_grid_inputs():
+    """fp32 data whose every quantization is exact: both paths use the same FP8 codes in all three GEMMs, so they
+    differ only in how the GEMMs accumulate, on the GPU and in the interpreter alike."""
+    fast, slow = _linear_pair(_on_grid(256, 300, seed=2).to(DEVICE), torch.randn(256).to(DEVICE), pow2=True)
+    x = _on_grid(200, 300, seed=3).to(DEVICE).reshape(4, 50, 300)
+    dy = _on_grid(200, 256, seed=4).to(DEVICE).reshape(4, 50, 256)
+    for got, ref, what in zip(
+        _fprop_dgrad_wgrad(fast, x, dy), _fprop_dgrad_wgrad(slow, x, dy), ("y", "dx", "dw", "db"), strict=True
+    ):
+        assert sqnr_db(ref, got) > ACCUMULATION_DB, what
+
+
+@pytest.mark.skipif(not EXACT_ROUNDING, reason="the interpreter rounds to E4M3 and BF16 differently from hardware")
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_linear_on_triton_backend_matches_emulated_in_bf16(pow2):
+    torch.manual_seed(0)
+    fast, slow = _linear_pair(torch.randn(384, 512) * 0.02, torch.randn(384), pow2)
+    x = torch.randn(2, 300, 512, device=DEVICE, dtype=torch.bfloat16)
+    dy = torch.randn(2, 300, 384, device=DEVICE, dtype=torch.bfloat16)
+    fast, slow = fast.to(DEVICE, torch.bfloat16), slow.to(DEVICE, torch.bfloat16)
+    # Same codes, another summation order; the outputs are rounded to bf16 (8 bits: ~52 dB).
+    for got, ref, what in zip(
+        _fprop_dgrad_wgrad(fast, x, dy), _fprop_dgrad_wgrad(slow, x, dy), ("y", "dx", "dw", "db"), strict=True
+    ):
+        assert sqnr_db(ref, got) > 45, what

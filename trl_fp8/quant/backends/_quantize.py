@@ -1,0 +1,78 @@
+"""The two quantizations `FP8Linear` runs on every step, behind each backend: the readable reference everywhere, the
+fused Triton kernels (bit-identical on finite inputs) where Triton runs."""
+
+import functools
+import os
+
+import torch
+
+from ..blockwise import _raise_nonfinite, quantize_blockwise
+
+
+@functools.cache
+def triton_status() -> tuple[bool, str]:
+    """Whether the Triton kernels can run here, and why (not)."""
+    try:
+        import triton
+    except ImportError:
+        return False, "triton is not installed"
+    if interpreting():
+        return True, f"triton {triton.__version__} interpreter (TRITON_INTERPRET=1, CPU tensors)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device for triton"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return False, f"the GPU is SM{major}{minor}; these kernels need Hopper (SM90) or newer"
+    return True, f"triton {triton.__version__} on SM{major}{minor}"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return (x.is_cuda or interpreting()) and x.dim() == 2 and triton_status()[0]
+
+
+def reference_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
+    q, s = quantize_blockwise(x2d, (1, 128), pow2_scales=pow2_scales, check_finite=False)
+    if not with_t:
+        return q, s, None, None
+    qt, st = quantize_blockwise(x2d.t(), (1, 128), pow2_scales=pow2_scales, check_finite=False)
+    return q, s, qt, st
+
+
+def fast_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
+    """X (M, K) -> `(q, scale_inv, qt, scale_inv_t)`: X in 1x128 blocks along K, and Xᵀ (K, M) in 1x128 blocks along
+    M when `with_t` (wgrad's column-wise operand), in one pass where Triton runs."""
+    if not _use_triton(x2d):
+        return reference_act(x2d, pow2_scales, with_t)
+    from .triton_kernels import quantize_act
+
+    return quantize_act(x2d, pow2_scales=pow2_scales, with_t=with_t)[:4]
+
+
+def reference_weight(w: torch.Tensor, block: tuple[int, int], pow2_scales: bool, name: str, check_finite: bool = True):
+    """`(q, scale_inv, None)`: the reference checks finiteness itself (raising with `name`) when asked."""
+    return (*quantize_blockwise(w, block, pow2_scales=pow2_scales, check_finite=check_finite, name=name), None)
+
+
+def fast_weight(w: torch.Tensor, block: tuple[int, int], pow2_scales: bool, name: str, check_finite: bool = True):
+    """W (N, K) in `block` blocks -> `(q, scale_inv, block_amax)`. With `check_finite`, NaN or inf raise a
+    `ValueError` naming `name` (a host sync); without, the caller gets the block amax to check when it syncs anyway.
+    """
+    if tuple(block) != (128, 128) or not _use_triton(w):
+        return reference_weight(w, block, pow2_scales, name, check_finite)
+    from .triton_kernels import quantize_weight
+
+    q, s, amax = quantize_weight(w, pow2_scales=pow2_scales)
+    if check_finite:
+        check_amax(amax, w, name)
+        amax = None
+    return q, s, amax
+
+
+def check_amax(amax: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    """Raises the reference's `ValueError` naming `name` if a block amax of `x` is NaN or inf."""
+    if not bool(torch.isfinite(amax).all()):
+        _raise_nonfinite(x, name)

@@ -1,0 +1,247 @@
+"""Triton kernels for the fast path: fused blockwise quantization and a block-scaled FP8 GEMM.
+
+Each kernel computes exactly what `trl_fp8.quant.blockwise.quantize_blockwise` computes (fp32 math, correctly
+rounded `448 / amax` via `div_rn`, pow2 scales by masking the mantissa, clamp, round-to-nearest-even cast), so their
+output is bit-identical to the reference on finite inputs; the tests hold them to that, on CPU through Triton's
+interpreter (`TRITON_INTERPRET=1`) and on a GPU for real. Blocks holding NaN may get other codes than the reference
+(Triton's max drops NaN); the weight kernel reports their amax as NaN so that the finiteness check still sees them.
+
+- `quantize_act`: one read of X (M, K) writes both usages TE's column-wise recipe needs: X in 1x128 blocks along K
+  (fprop, dgrad) and Xᵀ (K, M) in 1x128 blocks along M (wgrad), the transpose fused into the same pass.
+- `quantize_weight`: 128x128 blocks, with the block amax kept for the finiteness check.
+- `gemm`: `A @ B.T` with per-(row, 128-K-block) A scales and 128x128 or 1x128 B scales, applied to each fp32 partial
+  product of one 128-deep K block (DeepSeek-V3's promotion scheme).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)
+F32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _scale(amax, POW2: tl.constexpr):
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), F32_MAX, scale)
+    bad = (amax == 0) | (amax != amax) | (amax == float("inf"))
+    scale = tl.where(bad, 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _cast(x, scale):
+    q = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def quant_act_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr,
+    M, K, stride_xm, stride_xk, stride_sm, stride_sk, stride_stk, stride_stm,
+    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # One program per 128x128 tile of X, walked in CHUNK-row slices so that few registers are live and many tiles
+    # are in flight per SM (a whole fp32 tile per program is latency-bound at ~40% of copy bandwidth).
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    # int64 offsets: M * K passes 2**31 at long contexts.
+    cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    amax_c = tl.zeros((BLOCK,), dtype=tl.float32)
+    # Pass 1, row-wise usage X (M, K): a row's 128-column block lies whole in each slice. Column amax on the way.
+    for c in tl.static_range(BLOCK // CHUNK):
+        rows = pid_m.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        ax = tl.abs(x)
+        scale_r = _scale(tl.max(ax, axis=1), POW2)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale_r[:, None]), mask=mask)
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M)
+        amax_c = tl.maximum(amax_c, tl.max(ax, axis=0))
+    tl.atomic_max(amax_ptr, tl.max(amax_c, axis=0))
+    if WITH_T:
+        # Pass 2, column-wise usage Xᵀ (K, M): one scale per column of X and 128 rows, written transposed. The
+        # slices are read again, from L2.
+        scale_c = _scale(amax_c, POW2)
+        for c in tl.static_range(BLOCK // CHUNK):
+            rows = pid_m.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+            mask = (rows[:, None] < M) & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+            qt = tl.trans(_cast(x.to(tl.float32), scale_c[None, :]))
+            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], qt, mask=(cols[:, None] < K) & (rows[None, :] < M))
+        tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, tl.math.div_rn(1.0, scale_c), mask=cols < K)
+
+
+@triton.jit
+def quant_weight_kernel(
+    w_ptr, q_ptr, s_ptr, amax_ptr, N, K, stride_wn, stride_wk, KB,
+    POW2: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    amax_c = tl.zeros((BLOCK,), dtype=tl.float32)
+    nan_c = tl.zeros((BLOCK,), dtype=tl.int32)
+    for c in tl.static_range(BLOCK // CHUNK):
+        rows = pid_n.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
+        w = w.to(tl.float32)
+        amax_c = tl.maximum(amax_c, tl.max(tl.abs(w), axis=0))
+        nan_c = tl.maximum(nan_c, tl.max((w != w).to(tl.int32), axis=0))
+    # Triton's max drops NaN; the finiteness check must see it, so a block holding one reports amax NaN.
+    amax = tl.where(tl.max(nan_c, axis=0) > 0, float("nan"), tl.max(amax_c, axis=0))
+    scale = _scale(amax, POW2)
+    for c in tl.static_range(BLOCK // CHUNK):
+        rows = pid_n.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(w.to(tl.float32), scale), mask=mask)
+    tl.store(s_ptr + pid_n * KB + pid_k, tl.math.div_rn(1.0, scale))
+    tl.store(amax_ptr + pid_n * KB + pid_k, amax)
+
+
+# Keyed without the token count M, which changes every RL step: one tuning per hidden size, not per batch.
+_QUANT_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))]
+quant_act_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K", "WITH_T"])(quant_act_kernel)
+quant_weight_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K"])(quant_weight_kernel)
+
+
+@triton.jit
+def gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    B_ROWS_PER_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # Grouped launch order: consecutive programs share B tiles in L2.
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
+    pid_n = (pid % (GROUP_M * grid_n)) // group_size
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Clamped rows keep every load in bounds without masks on M and N; int64 because M * K passes 2**31.
+    a_rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    b_rows = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + offs_k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
+        b = tl.load(b_ptr + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
+        a_s = tl.load(as_ptr + a_rows * stride_asm + kb * stride_ask)
+        b_s = tl.load(bs_ptr + (b_rows // B_ROWS_PER_SCALE) * stride_bsn + kb * stride_bsk)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    c = acc.to(c_ptr.dtype.element_ty)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, c, mask=mask)
+
+
+configs = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
+    for bm, bn, w, s in ((128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4))
+]
+gemm_kernel_tuned = triton.autotune(configs=configs, key=["M", "N", "K", "B_ROWS_PER_SCALE"])(gemm_kernel)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def quantize_act(
+    x: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """X (M, K) -> `(q, scale_inv, qt, scale_inv_t, amax)`: X in 1x128 blocks along K, Xᵀ (K, M) in 1x128 blocks
+    along M (when `with_t`), and the amax of X as a 1-element tensor. Scales are (rows, blocks) fp32 stored
+    column-major, the layout block-scaled GEMMs want; their values equal `quantize_blockwise`'s."""
+    m, k = x.shape
+    kb, mb = triton.cdiv(k, 128), triton.cdiv(m, 128)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty_strided((m, kb), (1, m), dtype=torch.float32, device=x.device)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if with_t:
+        qt = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
+        st = torch.empty_strided((k, mb), (1, k), dtype=torch.float32, device=x.device)
+    else:
+        qt, st = q, s  # never written
+    args = (
+        x,
+        q,
+        s,
+        qt,
+        st,
+        amax,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        s.stride(0),
+        s.stride(1),
+        st.stride(0),
+        st.stride(1),
+    )
+    if _interpreting():
+        quant_act_kernel[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, CHUNK=32)
+    else:
+        quant_act_kernel_tuned[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
+    return (q, s, qt, st, amax) if with_t else (q, s, None, None, amax)
+
+
+def quantize_weight(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W (N, K) -> `(q, scale_inv (ceil(N/128), ceil(K/128)), block_amax)` in 128x128 blocks."""
+    n, k = w.shape
+    nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    amax = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    args = (w, q, s, amax, n, k, w.stride(0), w.stride(1), kb)
+    if _interpreting():
+        quant_weight_kernel[(nb, kb)](*args, POW2=pow2_scales, BLOCK=128, CHUNK=32)
+    else:
+        quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, BLOCK=128)
+    return q, s, amax
+
+
+def gemm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    b_block: tuple[int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in 128x128 or 1x128 blocks -> (M, N) in `out_dtype`."""
+    if tuple(b_block) not in ((128, 128), (1, 128)):
+        raise ValueError(f"the triton backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.stride(1) != 1:
+        # Hopper's FP8 MMA reads both operands K-major; one transposing copy beats a strided load in every tile.
+        b = b.contiguous()
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    args = (
+        a, b, c, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0), c.stride(1), a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
+        b_scale_inv.stride(1),
+    )  # fmt: skip
+    if _interpreting():
+        # The interpreter runs one config; autotuning there would only multiply the (slow) interpreted work.
+        grid = (triton.cdiv(m, 64) * triton.cdiv(n, 64),)
+        gemm_kernel[grid](*args, B_ROWS_PER_SCALE=b_block[0], BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4)
+    else:
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+        gemm_kernel_tuned[grid](*args, B_ROWS_PER_SCALE=b_block[0], BLOCK_K=128)
+    return c
