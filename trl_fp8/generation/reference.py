@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
-from ..quant.export import iter_fp8_state, iter_hp_state, load_state_stream, stream_nbytes
-from ..quant.kv_cache import FP8KVCache, calibrate_kv_scales
-from ..quant.linear import weights_epoch
+from ..quant.export import load_state_stream, stream_nbytes
+from ..quant.kv_cache import FP8KVCache
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
+from .stream import LearnerStream
 
 
 def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dtype) -> nn.Module:
@@ -60,7 +60,7 @@ def left_pad(ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, tor
     return input_ids, attention_mask
 
 
-class ReferenceEngine:
+class ReferenceEngine(LearnerStream):
     """FP8 (or high-precision) sampler behind TRL's engine interface.
 
     Args:
@@ -106,7 +106,15 @@ class ReferenceEngine:
         kv_scale_percentile: float = 99.9,
         kv_scale_margin: float = 1.05,
     ):
-        self.model, self.accelerator, self.recipe, self.fp8 = model, accelerator, recipe, fp8
+        self._init_stream(
+            model,
+            accelerator,
+            recipe,
+            fp8=fp8,
+            kv_cache=kv_cache,
+            kv_scale_percentile=kv_scale_percentile,
+            kv_scale_margin=kv_scale_margin,
+        )
         self.sampler = build_sampler_model(accelerator.unwrap_model(model), recipe, fp8=fp8, dtype=dtype)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         self.generation_config = GenerationConfig(
@@ -124,63 +132,20 @@ class ReferenceEngine:
             return_dict_in_generate=True,
             **(generation_kwargs or {}),
         )
-        self._synced_versions: tuple | None = None
-        self.last_sync: dict[str, float] | None = None
-        self.kv_cache, self.kv_scale_percentile, self.kv_scale_margin = kv_cache, kv_scale_percentile, kv_scale_margin
-        # Set by the trainer: `(input_ids, attention_mask)` of a small slice of the latest batch.
-        self.calibration_batch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.recalibrate = True  # False keeps the first calibration forever (for measuring what stale scales cost)
-        self._kv_scale_invs: torch.Tensor | None = None
-        self._attn_names: list[str] = []
         if kv_cache:
             # vLLM's checkpoint names; -1 marks "never received", so a missing scale can never pass as 1.0.
-            for name, module in self.sampler.named_modules():
-                if name.endswith("self_attn") and hasattr(module, "layer_idx"):
-                    module.register_buffer("k_scale", torch.tensor(-1.0, device=self.sampler.device))
-                    module.register_buffer("v_scale", torch.tensor(-1.0, device=self.sampler.device))
-                    self._attn_names.append(name)
-
-    def state_stream(self) -> list[tuple[str, torch.Tensor]]:
-        """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
-        policy = self.accelerator.unwrap_model(self.model)
-        if not self.fp8:
-            return list(iter_hp_state(policy))
-        # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
-        converted = getattr(policy, "fp8_recipe", None) is not None
-        pairs = list(iter_fp8_state(policy, None if converted else self.recipe))
-        if self.kv_cache:
-            if self._kv_scale_invs is None:
-                raise RuntimeError("FP8 KV cache: no K/V scales yet; sync_weights() calibrates them first")
-            for name, (k, v) in zip(self._attn_names, self._kv_scale_invs, strict=True):
-                pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v)]
-        return pairs
-
-    @torch.no_grad()
-    def calibrate_kv_scales(self) -> float:
-        """Recomputes the K/V scales with the learner's current weights; returns the seconds it took."""
-        if self.calibration_batch is None:
-            raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
-        start = time.perf_counter()
-        policy = self.accelerator.unwrap_model(self.model)
-        ids, mask = (t.to(policy.device) for t in self.calibration_batch)
-        scales = calibrate_kv_scales(
-            policy.get_decoder(), ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin
-        )
-        if self.accelerator.num_processes > 1:  # every rank's sampler must hold the same scales
-            scales = self.accelerator.reduce(scales.to(self.accelerator.device), reduction="max").cpu()
-        self._kv_scale_invs = scales
-        return time.perf_counter() - start
+            for name in self._attn_names:
+                module = self.sampler.get_submodule(name)
+                module.register_buffer("k_scale", torch.tensor(-1.0, device=self.sampler.device))
+                module.register_buffer("v_scale", torch.tensor(-1.0, device=self.sampler.device))
 
     @torch.no_grad()
     def sync_weights(self) -> None:
         """Refits the sampler from the learner's stream, if the learner's weights changed since the last sync."""
-        policy = self.accelerator.unwrap_model(self.model)
-        versions = (weights_epoch(), *(p._version for p in policy.parameters()))
-        if versions == self._synced_versions:
+        versions = self.learner_changed()
+        if versions is None:
             return
-        calibration_seconds = 0.0
-        if self.kv_cache and (self.recalibrate or self._kv_scale_invs is None):
-            calibration_seconds = self.calibrate_kv_scales()
+        calibration_seconds = self._maybe_calibrate()
         start = time.perf_counter()
         pairs = self.state_stream()
         sent, bf16 = stream_nbytes(pairs)

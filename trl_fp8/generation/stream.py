@@ -1,0 +1,76 @@
+"""What every sampling engine receives from the learner after an optimizer step: the export stream (DESIGN §3),
+plus, with an FP8 KV cache, per-layer K/V scales recalibrated from the updated learner. Shared by the reference
+engine and the vLLM engine, so both are refitted with exactly the same tensors."""
+
+import time
+
+import torch
+from torch import nn
+
+from ..quant.export import iter_fp8_state, iter_hp_state
+from ..quant.kv_cache import calibrate_kv_scales
+from ..quant.linear import weights_epoch
+
+
+def attention_module_names(model: nn.Module) -> list[str]:
+    """The decoder layers' attention modules (`model.layers.{i}.self_attn`), whose `k_scale` / `v_scale` vLLM reads."""
+    return [name for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
+
+
+class LearnerStream:
+    """Mixin: builds the learner's stream for an engine. Call `_init_stream` in the engine's `__init__`."""
+
+    def _init_stream(
+        self, model, accelerator, recipe, *, fp8: bool, kv_cache: bool, kv_scale_percentile: float, kv_scale_margin
+    ) -> None:
+        self.model, self.accelerator, self.recipe, self.fp8 = model, accelerator, recipe, fp8
+        self.kv_cache, self.kv_scale_percentile, self.kv_scale_margin = kv_cache, kv_scale_percentile, kv_scale_margin
+        # Set by the trainer: `(input_ids, attention_mask)` of a small slice of the latest batch.
+        self.calibration_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.recalibrate = True  # False keeps the first calibration forever (for measuring what stale scales cost)
+        self._kv_scale_invs: torch.Tensor | None = None
+        self._attn_names = attention_module_names(accelerator.unwrap_model(model)) if kv_cache else []
+        self._synced_versions: tuple | None = None
+        self.last_sync: dict[str, float] | None = None
+
+    def learner_changed(self) -> tuple | None:
+        """The learner's weight versions if they changed since the last sync (else `None`)."""
+        policy = self.accelerator.unwrap_model(self.model)
+        versions = (weights_epoch(), *(p._version for p in policy.parameters()))
+        return None if versions == self._synced_versions else versions
+
+    def state_stream(self) -> list[tuple[str, torch.Tensor]]:
+        """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
+        policy = self.accelerator.unwrap_model(self.model)
+        if not self.fp8:
+            return list(iter_hp_state(policy))
+        # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
+        converted = getattr(policy, "fp8_recipe", None) is not None
+        pairs = list(iter_fp8_state(policy, None if converted else self.recipe))
+        if self.kv_cache:
+            if self._kv_scale_invs is None:
+                raise RuntimeError("FP8 KV cache: no K/V scales yet; sync_weights() calibrates them first")
+            for name, (k, v) in zip(self._attn_names, self._kv_scale_invs, strict=True):
+                pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v)]
+        return pairs
+
+    @torch.no_grad()
+    def calibrate_kv_scales(self) -> float:
+        """Recomputes the K/V scales with the learner's current weights; returns the seconds it took."""
+        if self.calibration_batch is None:
+            raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
+        start = time.perf_counter()
+        policy = self.accelerator.unwrap_model(self.model)
+        ids, mask = (t.to(policy.device) for t in self.calibration_batch)
+        scales = calibrate_kv_scales(
+            policy.get_decoder(), ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin
+        )
+        if self.accelerator.num_processes > 1:  # every rank's sampler must hold the same scales
+            scales = self.accelerator.reduce(scales.to(self.accelerator.device), reduction="max").cpu()
+        self._kv_scale_invs = scales
+        return time.perf_counter() - start
+
+    def _maybe_calibrate(self) -> float:
+        if self.kv_cache and (self.recalibrate or self._kv_scale_invs is None):
+            return self.calibrate_kv_scales()
+        return 0.0
