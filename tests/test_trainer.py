@@ -213,8 +213,8 @@ def test_config_defaults_and_contradictions(tmp_path):
     assert FP8GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, fp8_recipe='{"pow2_scales": true}'
     ).resolved_fp8_recipe.pow2_scales
-    with pytest.raises(ValueError, match="use_vllm=True"):
-        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)
+    with pytest.raises(ValueError, match="vllm_mode='server' is not supported"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
     with pytest.raises(ValueError, match="loss_type='vespo' needs vllm_importance_sampling_mode"):

@@ -13,8 +13,9 @@ class FP8GRPOConfig(GRPOConfig):
     r"""
     Configuration class for [`FP8GRPOTrainer`]: every [`trl.GRPOConfig`] parameter, plus the FP8 recipe.
 
-    Sampling always runs in an engine separate from the learner (the FP8 reference engine of `trl_fp8.generation`),
-    so the learner/sampler mismatch is real and TRL's importance-sampling correction applies to it.
+    Sampling always runs in an engine separate from the learner, so the learner/sampler mismatch is real and TRL's
+    importance-sampling correction applies to it: colocated vLLM in block FP8 with `use_vllm=True` (the production
+    path, GPU only), or else trl-fp8's reference engine, which runs the same numerics anywhere.
 
     Parameters:
         > Parameters that control FP8
@@ -44,6 +45,11 @@ class FP8GRPOConfig(GRPOConfig):
             `"fp8"`, a block-FP8 checkpoint (the sampler's e4m3 weights + `weight_scale_inv`, with a
             `quantization_config` that vLLM and transformers' `FineGrainedFP8Config` read). Intermediate checkpoints
             (`save_steps`) always hold the master weights, so `resume_from_checkpoint` continues exactly.
+        vllm_llm_kwargs (`dict`, `str` or `None`, *optional*, defaults to `None`):
+            Extra keyword arguments for `vllm.LLM(...)` when `use_vllm=True` (a JSON string from the command line),
+            e.g. `{"enforce_eager": true, "max_num_batched_tokens": 8192}`. The keys the engine sets itself (model,
+            quantization, load_format, seed, tensor_parallel_size, kv_cache_dtype, ...) are refused with the config
+            field to use instead. Only `vllm_mode="colocate"` is supported.
         fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
             Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
             `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch.
@@ -108,6 +114,14 @@ class FP8GRPOConfig(GRPOConfig):
             "(one extra forward per generation batch when the importance-sampling correction is off)."
         },
     )
+    vllm_llm_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for vllm.LLM(...) with use_vllm=True (a JSON string on the command line), "
+            'e.g. {"enforce_eager": true}. Keys FP8GRPOTrainer sets itself (model, quantization, seed, ...) are '
+            "refused with the config field to use instead."
+        },
+    )
     vllm_importance_sampling_mode: str = field(
         default="token_truncate",
         metadata={
@@ -143,10 +157,19 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(f"fp8_kv_scale_margin must be positive, got {self.fp8_kv_scale_margin}")
         if self.fp8_kv_calibration_rows < 1:
             raise ValueError(f"fp8_kv_calibration_rows must be at least 1, got {self.fp8_kv_calibration_rows}")
-        if self.use_vllm:
+        if isinstance(self.vllm_llm_kwargs, str):
+            self.vllm_llm_kwargs = json.loads(self.vllm_llm_kwargs)
+        if self.vllm_llm_kwargs is not None:
+            from ..generation.vllm_fp8 import check_llm_kwargs
+
+            check_llm_kwargs(self.vllm_llm_kwargs)
+            if not self.use_vllm:
+                raise ValueError("vllm_llm_kwargs is set but use_vllm=False: set use_vllm=True to sample with vLLM.")
+        if self.use_vllm and self.vllm_mode != "colocate":
             raise ValueError(
-                "use_vllm=True is not supported by this version of trl-fp8: FP8GRPOTrainer samples with its FP8 "
-                "reference engine (set use_vllm=False). Colocated vLLM in block FP8 is planned."
+                f"vllm_mode={self.vllm_mode!r} is not supported by FP8GRPOTrainer: TRL's server client sends BF16 "
+                "weights for the server to re-quantize, not the learner's FP8 weights and scales. Use "
+                "vllm_mode='colocate' (vLLM in the training processes), or use_vllm=False (the FP8 reference engine)."
             )
         if self.use_transformers_continuous_batching:
             raise ValueError(

@@ -1,12 +1,16 @@
 import json
 import os
+from contextlib import contextmanager
+from functools import partial
 
 import torch
+import trl.trainer.grpo_trainer as trl_grpo
 from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..generation.reference import ReferenceEngine, left_pad
+from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
 from ..quant.moe import capture_routing, is_fused_experts
@@ -21,9 +25,11 @@ class FP8GRPOTrainer(GRPOTrainer):
 
     - `__init__`: converts the policy's decoder linears to `FP8Linear` with the recipe (and the reference model's when
       `beta > 0`, so the KL is measured in the same numerics). Every forward TRL runs for new, old and reference
-      log-probs therefore runs in FP8. It then puts the FP8 reference engine in TRL's sampling-engine slot
-      (`self.vllm_generation`): TRL syncs it after each optimizer step and applies its importance-sampling
-      correction (`vllm_importance_sampling_*`) to the engine's log-probs exactly as it does to vLLM's.
+      log-probs therefore runs in FP8. The sampling engine sits in TRL's slot (`self.vllm_generation`): with
+      `use_vllm=True`, GRPOTrainer builds `FP8VLLMGeneration` (colocated vLLM in block FP8, refitted with the
+      learner's own FP8 weights and scales) where it builds its `VLLMGeneration`; otherwise the FP8 reference
+      engine. TRL syncs the engine after each optimizer step and applies its importance-sampling correction
+      (`vllm_importance_sampling_*`) to the engine's log-probs.
     - `_generate_and_score_completions`: calls TRL's, then logs the mismatch metrics NeMo RL and verl log
       (`sampling/token_mult_prob_error`, `sampling/gen_kl`, `sampling/is_oob_ratio`) and the sync cost
       (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`); for MoE models, `fp8/router_mismatch`, the
@@ -53,13 +59,27 @@ class FP8GRPOTrainer(GRPOTrainer):
                 "FP8GRPOTrainer does not support PEFT models yet (peft_config / a PeftModel): the FP8 sampler would "
                 "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
             )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
         recipe = args.resolved_fp8_recipe
+        engine = None
+        if args.use_vllm and args.fp8_generation:
+            # TRL builds its vLLM engine inside GRPOTrainer.__init__: it builds ours, with TRL's own arguments.
+            engine = partial(
+                FP8VLLMGeneration,
+                recipe=recipe,
+                fp8_kv_cache=args.fp8_kv_cache,
+                kv_scale_percentile=args.fp8_kv_scale_percentile,
+                kv_scale_margin=args.fp8_kv_scale_margin,
+                vllm_llm_kwargs=args.vllm_llm_kwargs,
+            )
+        with _engine_class(engine):
+            super().__init__(model, reward_funcs, args=args, **kwargs)
         if args.fp8_training:
             convert_to_fp8(self.accelerator.unwrap_model(self.model), recipe)
             if self.ref_model is not None:
                 convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
 
+        if args.use_vllm:
+            return  # vLLM samples: block FP8 (FP8VLLMGeneration) or, with fp8_generation=False, TRL's BF16 engine
         if args.bf16:
             sampler_dtype = torch.bfloat16
         elif args.fp16:
@@ -149,14 +169,15 @@ class FP8GRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         engine = self.vllm_generation
-        if engine.kv_cache and engine.calibration_batch is None:
+        kv_cache = getattr(engine, "kv_cache", False)
+        if kv_cache and engine.calibration_batch is None:
             # The very first KV calibration has no finished batch yet: it uses this batch's prompts.
             prompt_ids = self._tokenize_prompts([x["prompt"] for x in inputs])[0]
             engine.calibration_batch = left_pad(
                 prompt_ids[: self.args.fp8_kv_calibration_rows], self._tokenizer.pad_token_id
             )
         output = super()._generate_and_score_completions(inputs)
-        if engine.kv_cache:
+        if kv_cache:
             # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions included.
             rows = self.args.fp8_kv_calibration_rows
             engine.calibration_batch = (
@@ -164,7 +185,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 torch.cat([output["prompt_mask"][:rows], output["completion_mask"][:rows]], dim=1),
             )
         mode = "train" if self.model.training else "eval"
-        sync = engine.last_sync
+        sync = getattr(engine, "last_sync", None)
         if sync is not None:
             engine.last_sync = None
             self._metrics[mode]["fp8/sync_seconds"].append(sync["seconds"])
@@ -174,7 +195,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 self._metrics[mode]["fp8/kv_calibration_seconds"].append(sync["kv_calibration_seconds"])
         if self.args.fp8_mismatch_metrics and "sampling_per_token_logps" in output:
             self._log_mismatch(output, mode)
-            if self._is_moe:
+            if self._is_moe and isinstance(engine, ReferenceEngine):  # vLLM's routing is not observable here
                 self._log_router_mismatch(output, mode)
         return output
 
@@ -257,3 +278,17 @@ class FP8GRPOTrainer(GRPOTrainer):
             self._metrics[mode]["sampling/token_mult_prob_error"].append(mult_err / count)
             self._metrics[mode]["sampling/gen_kl"].append(gen_kl / count)
             self._metrics[mode]["sampling/is_oob_ratio"].append(oob_count / count)
+
+
+@contextmanager
+def _engine_class(engine_class):
+    """Makes GRPOTrainer.__init__ build `engine_class` where it builds TRL's `VLLMGeneration` (if not None)."""
+    if engine_class is None:
+        yield
+        return
+    original = trl_grpo.VLLMGeneration
+    trl_grpo.VLLMGeneration = engine_class
+    try:
+        yield
+    finally:
+        trl_grpo.VLLMGeneration = original

@@ -1,0 +1,275 @@
+"""The colocated vLLM FP8 engine: everything decidable without vLLM runs here on CPU (the `LLM` arguments, the
+refused keys, the version range, vLLM's block-FP8 layout against the export stream, the TP rule, stream validation,
+the refit call sequence); the end-to-end run needs vLLM and a GPU (`-m vllm`)."""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from conftest import tiny_config_kwargs
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
+from trl_fp8.generation.vllm_fp8 import (
+    VLLM_SPECIFIER,
+    check_vllm_version,
+    deep_gemm_e8m0_env,
+    fp8_llm_kwargs,
+    refit,
+    validate_stream,
+)
+from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
+from trl_fp8.trainers import FP8GRPOConfig
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# head_dim 128 and 2 KV heads: every q/k/v shard stays a multiple of 128 rows at TP 1 and 2.
+TP_READY = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+
+
+def _config(**kwargs) -> FP8GRPOConfig:
+    return FP8GRPOConfig("out", report_to="none", use_cpu=True, bf16=False, **kwargs)
+
+
+def _model(cls_config, cls_model, **overrides):
+    torch.manual_seed(0)
+    return cls_model(cls_config(**tiny_config_kwargs(**overrides))).eval()
+
+
+def test_llm_kwargs_for_a_recipe():
+    model = _model(LlamaConfig, LlamaForCausalLM)
+    recipe = FP8Recipe(num_first_layers_in_bf16=1)
+    kwargs = fp8_llm_kwargs(
+        model,
+        recipe,
+        kv_cache=True,
+        user_kwargs={"enforce_eager": True, "hf_overrides": {"max_position_embeddings": 256}},
+    )
+    layer0 = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+    assert kwargs == {
+        "enforce_eager": True,
+        "quantization": "fp8",
+        "load_format": "dummy",
+        "kv_cache_dtype": "fp8",
+        "hf_overrides": {
+            "max_position_embeddings": 256,
+            "quantization_config": {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "weight_block_size": [128, 128],
+                "ignored_layers": layer0,
+            },
+        },
+    }
+    assert "kv_cache_dtype" not in fp8_llm_kwargs(model, recipe)
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [("seed", "FP8GRPOConfig.seed"), ("tensor_parallel_size", "vllm_tensor_parallel_size"),
+     ("quantization", "fp8_recipe"), ("kv_cache_dtype", "fp8_kv_cache"), ("load_format", "first sync")],
+)  # fmt: skip
+def test_reserved_llm_kwargs_are_refused_at_config_time(key, hint):
+    with pytest.raises(ValueError, match=rf"vllm_llm_kwargs\['{key}'\].*{hint}"):
+        _config(use_vllm=True, vllm_llm_kwargs={key: 1})
+    with pytest.raises(ValueError, match=r"\['quantization_config'\] is set by FP8GRPOTrainer"):
+        _config(use_vllm=True, vllm_llm_kwargs={"hf_overrides": {"quantization_config": {}}})
+    config = _config(use_vllm=True, vllm_llm_kwargs='{"enforce_eager": true}')
+    assert config.vllm_llm_kwargs == {"enforce_eager": True}
+
+
+def test_config_refuses_server_mode_and_stray_vllm_kwargs():
+    with pytest.raises(ValueError, match=r"vllm_mode='server' is not supported.*vllm_mode='colocate'"):
+        _config(use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match="use_vllm=False"):
+        _config(vllm_llm_kwargs={"enforce_eager": True})
+    assert _config(use_vllm=True).vllm_mode == "colocate"
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.21.9", False), ("0.22.0", True), ("0.27.1", True), ("0.31.0", True), ("0.31.0rc2", True),
+     ("0.31.1", False), ("0.32.0.dev3+gabc", False)],
+)  # fmt: skip
+def test_vllm_version_range(version, ok):
+    if ok:
+        assert check_vllm_version(version) == version
+    else:
+        with pytest.raises(ImportError, match=r"outside the range trl-fp8 supports \(>=0.22.0,<=0.31.0\)"):
+            check_vllm_version(version)
+
+
+def test_version_range_is_the_vllm_extra():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [f"vllm{VLLM_SPECIFIER}"]
+
+
+def test_deep_gemm_e8m0_follows_pow2_scales(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0", raising=False)
+    assert deep_gemm_e8m0_env(FP8Recipe()) == "0"
+    assert deep_gemm_e8m0_env(FP8Recipe(pow2_scales=True)) == "1"
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "1")
+    with pytest.raises(ValueError, match="re-round the trainer scales"):
+        deep_gemm_e8m0_env(FP8Recipe())
+
+
+def _load_like_vllm(stream: dict, layer, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What vLLM's loaders put in `layer`'s `weight` / `weight_scale_inv` on `rank`: each shard's rows (column
+    parallel) or columns (row parallel) for that rank, concatenated; block scales sliced at the same offsets / 128."""
+    weights, scales = [], []
+    for shard, rows in zip(layer.shards, layer.output_partition_sizes, strict=True):
+        w, s = stream[f"{shard}.weight"], stream[f"{shard}.weight_scale_inv"]
+        if layer.input_size_per_partition != layer.input_size:  # row parallel: split K
+            k = layer.input_size_per_partition
+            w, s = w[:, rank * k : (rank + 1) * k], s[:, rank * k // 128 : (rank + 1) * k // 128]
+        else:  # column parallel: this rank's rows (KV heads replicated when fewer than ranks)
+            replicas = max(1, tp * rows // w.shape[0])
+            start = rank // replicas * rows
+            assert start % 128 == 0 or len(layer.shards) == 1 and tp == 1
+            w, s = w[start : start + rows], s[start // 128 : math.ceil((start + rows) / 128)]
+        weights.append(w)
+        scales.append(s)
+    return torch.cat(weights), torch.cat(scales)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    ("config_cls", "model_cls"), [(LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM)]
+)
+def test_export_stream_fills_vllm_block_fp8_parameters(config_cls, model_cls, tp):
+    """The stream's per-module pairs compose, through vLLM's fusing and TP slicing, into exactly the `weight` (N, K)
+    e4m3 and `weight_scale_inv` (ceil(N/128), ceil(K/128)) fp32 that `Fp8LinearMethod.create_weights` allocates."""
+    model = _model(config_cls, model_cls, **TP_READY)
+    recipe = FP8Recipe()
+    check_vllm_fp8_layers(model, recipe, tp)
+    convert_to_fp8(model, recipe)
+    stream = dict(iter_fp8_state(model))
+    layers = vllm_linears(model, tp)
+    assert {layer.name.rsplit(".", 1)[1] for layer in layers} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    used = set()
+    for layer in layers:
+        for rank in range(tp):
+            weight, scale = _load_like_vllm(stream, layer, rank, tp)
+            assert weight.dtype == torch.float8_e4m3fn and tuple(weight.shape) == layer.weight_shape, layer.name
+            assert scale.dtype == torch.float32 and tuple(scale.shape) == layer.scale_shape, layer.name
+        used |= {f"{s}.{suffix}" for s in layer.shards for suffix in ("weight", "weight_scale_inv")}
+    fp8_tensors = {name for name, t in stream.items() if t.dtype == torch.float8_e4m3fn or "scale_inv" in name}
+    assert used == fp8_tensors
+    # Qwen2's q/k/v biases travel in high precision beside their FP8 weights.
+    if model_cls is Qwen2ForCausalLM:
+        assert stream["model.layers.0.self_attn.k_proj.bias"].dtype == torch.float32
+
+
+def test_tp_block_shape_error_names_the_layer():
+    model = _model(LlamaConfig, LlamaForCausalLM)  # head_dim 64, 2 KV heads: k/v have 64 rows per rank at TP 2
+    assert check_vllm_fp8_layers(model, FP8Recipe(), 1) == []
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.self_attn.qkv_proj.*tensor_parallel_size=2.*k_proj per rank is 64"
+    ):
+        check_vllm_fp8_layers(model, FP8Recipe(), 2)
+    with pytest.raises(ValueError, match=r"fuses model.layers.0.self_attn.qkv_proj.*k_proj \(high precision\)"):
+        check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["k_proj"]), 1)
+
+
+def test_validate_stream_refuses_bad_streams_before_sending():
+    model = _model(LlamaConfig, LlamaForCausalLM)
+    convert_to_fp8(model, FP8Recipe())
+    pairs = list(iter_fp8_state(model))
+    meta = validate_stream(pairs, None)
+    assert validate_stream(pairs, meta) == meta
+    bad = [(n, t.clone().fill_(float("nan")) if n == "model.norm.weight" else t) for n, t in pairs]
+    with pytest.raises(ValueError, match=r"NaN, inf or non-positive scales in \['model.norm.weight'\]"):
+        validate_stream(bad, meta)
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    with pytest.raises(ValueError, match=rf"{name} is torch.float32 \(4, 1\).*512x256 needs fp32 128x128 blocks"):
+        validate_stream([(n, t[:, :1] if n == name else t) for n, t in pairs], None)
+    with pytest.raises(ValueError, match=r"changed since the first sync: missing \['model.norm.weight'\]"):
+        validate_stream([(n, t) for n, t in pairs if n != "model.norm.weight"], meta)
+
+
+class _RecordingLLM:
+    """Stands in for `vllm.LLM`, which cannot run on CPU: records the calls a refit makes, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        kwargs = dict(kwargs)
+        kwargs["weights_iterator"] = [name for name, _ in kwargs["weights_iterator"]]
+        self.calls.append(("collective_rpc", method, kwargs))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+@pytest.mark.parametrize("sleep_mode", [False, True])
+def test_refit_call_sequence(sleep_mode):
+    pairs = [("a.weight", torch.zeros(2)), ("b.weight", torch.ones(2))]
+    llm = _RecordingLLM()
+    refit(llm, pairs, wake_weights=sleep_mode)
+    reload = (
+        "collective_rpc",
+        "reload_weights",
+        {"weights_iterator": ["a.weight", "b.weight"], "is_checkpoint_format": True},
+    )
+    assert llm.calls == [("wake_up", ["weights"])] * sleep_mode + [reload, ("reset_prefix_cache",)]
+
+
+def _vllm_ready() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM and a CUDA GPU")
+def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path):
+    """Two GRPO steps with colocated vLLM in block FP8; the engine then holds the learner's export bit for bit, the
+    mismatch stays small, and 50 more syncs leave GPU memory flat. `TRL_FP8_VLLM_MODEL` may name a local model folder
+    (e.g. Qwen2.5-0.5B-Instruct); the default is the tiny demo model shipped in the package."""
+    from trl_fp8 import FP8GRPOTrainer
+    from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
+
+    model_path = os.environ.get("TRL_FP8_VLLM_MODEL", str(DEMO_MODEL_DIR))
+    args = FP8GRPOConfig(
+        str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=16, max_steps=2, report_to="none",
+        logging_steps=1, vllm_llm_kwargs={"enforce_eager": True},
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(model_path, reward_funcs=digit_count_reward, args=args, train_dataset=make_dataset(64))
+    trainer.train()
+    errors = [
+        log["sampling/token_mult_prob_error"]
+        for log in trainer.state.log_history
+        if "sampling/token_mult_prob_error" in log
+    ]
+    assert errors and max(errors) < 1.05
+
+    engine = trainer.vllm_generation
+    engine.sync_weights()
+    export = dict(iter_fp8_state(trainer.accelerator.unwrap_model(trainer.model)))
+    served = engine.llm.apply_model(
+        lambda m: {n: p.detach().cpu() for n, p in m.named_parameters() if ".layers.0." in n}
+    )[0]
+    prefix = "model.layers.0.self_attn."
+    for suffix, view in (("weight", torch.uint8), ("weight_scale_inv", torch.float32)):
+        expected = torch.cat([export[f"{prefix}{p}.{suffix}"].cpu() for p in ("q_proj", "k_proj", "v_proj")])
+        assert torch.equal(served[f"{prefix}qkv_proj.{suffix}"].view(view), expected.view(view))
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(50):
+        engine.sync_weights()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 16 * 2**20

@@ -1,0 +1,256 @@
+"""Colocated vLLM in DeepSeek-style block FP8, refitted every optimizer step with the learner's own FP8 weights and
+scales (DESIGN §3), so that the sampler's weight grid is the learner's bit for bit.
+
+`FP8VLLMGeneration` is TRL's `VLLMGeneration` with two choke points wrapped, nothing copied:
+
+- `_init_vllm`: TRL builds the `LLM` (TP groups, environment, sleep mode) with this module's arguments merged in:
+  `quantization="fp8"`, `hf_overrides={"quantization_config": <block 128x128, dynamic, e4m3, ignored_layers>}`,
+  `load_format="dummy"` (the first sync fills the weights), `kv_cache_dtype="fp8"` with an FP8 KV cache, and the
+  user's `vllm_llm_kwargs`. `VLLM_USE_DEEP_GEMM_E8M0` follows the recipe's `pow2_scales`, so vLLM never re-rounds
+  the learner's scales.
+- `sync_weights`: the checkpoint-format stream (`...weight` e4m3 + `...weight_scale_inv` fp32, BF16 for the rest,
+  K/V scales) goes through vLLM's in-place layerwise reload (`Worker.reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)`), which fuses q/k/v and gate/up with vLLM's own loaders and copies into the original
+  storage, then `reset_prefix_cache()`. The stream is validated before the engine is touched. With sleep mode the
+  weights are woken first (never a bare reload, which would restore the disk checkpoint: trl#5312); TRL's
+  `generate` wakes the KV cache.
+
+Every vLLM symbol used here was read in the source of vLLM 0.22.0 and 0.31.0 (the `vllm` extra's range).
+"""
+
+import os
+import time
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from trl.generation.vllm_generation import VLLMGeneration, empty_cache
+
+from ..quant.export import stream_nbytes
+from .stream import LearnerStream
+from .vllm_layout import check_vllm_fp8_layers
+
+
+VLLM_SPECIFIER = ">=0.22.0,<=0.31.0"  # the `vllm` extra of pyproject.toml; tested to agree
+
+# `LLM(...)` arguments the engine owns, and where to set them instead.
+RESERVED_LLM_KWARGS = {
+    "model": "the model given to FP8GRPOTrainer (loaded from a local folder or the Hub)",
+    "quantization": "fp8_recipe: the engine always serves the recipe's block FP8",
+    "load_format": "nothing: the engine starts empty (`dummy`) and the first sync fills it",
+    "seed": "FP8GRPOConfig.seed",
+    "distributed_executor_backend": "nothing: colocation needs `external_launcher`",
+    "tensor_parallel_size": "FP8GRPOConfig.vllm_tensor_parallel_size",
+    "gpu_memory_utilization": "FP8GRPOConfig.vllm_gpu_memory_utilization",
+    "max_model_len": "FP8GRPOConfig.vllm_max_model_length",
+    "max_num_seqs": "per_device_train_batch_size and steps_per_generation",
+    "enable_sleep_mode": "FP8GRPOConfig.vllm_enable_sleep_mode",
+    "model_impl": "FP8GRPOConfig.vllm_model_impl",
+    "logprobs_mode": "nothing: importance sampling needs `processed_logprobs`",
+    "kv_cache_dtype": "FP8GRPOConfig.fp8_kv_cache",
+    "trust_remote_code": "FP8GRPOConfig.trust_remote_code",
+}
+
+
+def check_llm_kwargs(user_kwargs: dict | None) -> dict:
+    """Refuses `vllm_llm_kwargs` keys the engine owns, naming what to set instead; returns a copy."""
+    user_kwargs = dict(user_kwargs or {})
+    for key in user_kwargs:
+        if key in RESERVED_LLM_KWARGS:
+            raise ValueError(
+                f"vllm_llm_kwargs[{key!r}] is set by FP8GRPOTrainer; use {RESERVED_LLM_KWARGS[key]} instead."
+            )
+    if "quantization_config" in (user_kwargs.get("hf_overrides") or {}):
+        raise ValueError(
+            "vllm_llm_kwargs['hf_overrides']['quantization_config'] is set by FP8GRPOTrainer from fp8_recipe."
+        )
+    return user_kwargs
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Raises an `ImportError` unless vLLM (or `version`) is inside the supported range; returns the version."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError as err:
+            raise ImportError(
+                'use_vllm=True needs vLLM: pip install "trl-fp8[vllm]" (vLLM ' + VLLM_SPECIFIER + ")"
+            ) from err
+        version = vllm.__version__
+    if Version(version).base_version not in SpecifierSet(VLLM_SPECIFIER):
+        raise ImportError(
+            f"vLLM {version} is outside the range trl-fp8 supports ({VLLM_SPECIFIER}): the refit relies on vLLM's "
+            f'layerwise reload and block-FP8 loaders as they are in that range. pip install "vllm{VLLM_SPECIFIER}"'
+        )
+    return version
+
+
+def vllm_quantization_config(recipe, ignored_layers: list[str]) -> dict:
+    """The `quantization_config` vLLM's `Fp8Config.from_config` reads for DeepSeek-style block FP8."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(recipe.weight_block_size),
+        "ignored_layers": list(ignored_layers),
+    }
+
+
+def fp8_llm_kwargs(model, recipe, *, tp_size: int = 1, kv_cache: bool = False, user_kwargs: dict | None = None):
+    """What `FP8VLLMGeneration` adds to TRL's `LLM(...)` arguments for `model` (the unwrapped learner)."""
+    if tuple(recipe.weight_block_size) != (128, 128):
+        raise ValueError(f"vLLM serves block FP8 in 128x128 blocks; fp8_recipe has {recipe.weight_block_size}")
+    user_kwargs = check_llm_kwargs(user_kwargs)
+    ignored = check_vllm_fp8_layers(model, recipe, tp_size)
+    hf_overrides = dict(user_kwargs.pop("hf_overrides", None) or {})
+    hf_overrides["quantization_config"] = vllm_quantization_config(recipe, ignored)
+    kwargs = {**user_kwargs, "quantization": "fp8", "hf_overrides": hf_overrides, "load_format": "dummy"}
+    if kv_cache:
+        kwargs["kv_cache_dtype"] = "fp8"
+    return kwargs
+
+
+def deep_gemm_e8m0_env(recipe) -> str:
+    """`VLLM_USE_DEEP_GEMM_E8M0` for the recipe: vLLM re-rounds non-pow2 scales to powers of two unless it is "0"."""
+    wanted = "1" if recipe.pow2_scales else "0"
+    current = os.environ.get("VLLM_USE_DEEP_GEMM_E8M0")
+    if current is not None and current != wanted:
+        raise ValueError(
+            f"VLLM_USE_DEEP_GEMM_E8M0={current} disagrees with fp8_recipe.pow2_scales={recipe.pow2_scales}: vLLM "
+            f"would {'re-round the trainer scales' if current == '1' else 'serve pow2 scales as fp32'}. "
+            f"Unset it, or set it to {wanted}."
+        )
+    return wanted
+
+
+def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None) -> dict:
+    """Checks a stream before any of it reaches the engine; returns its `{name: (shape, dtype)}`.
+
+    Every `...weight_scale_inv` must be finite and positive beside an e4m3 `...weight` whose shape it covers in
+    128x128 blocks, every high-precision tensor and KV scale finite, and, from the second sync on, names, shapes and
+    dtypes exactly those of the first (vLLM's reload would otherwise fail half-way, or leave tensors unloaded).
+    """
+    meta = {name: (tuple(t.shape), t.dtype) for name, t in pairs}
+    if len(meta) != len(pairs):
+        raise ValueError("the sync stream names a tensor twice")
+    if expected is not None and meta != expected:
+        missing, extra = sorted(set(expected) - set(meta)), sorted(set(meta) - set(expected))
+        changed = sorted(n for n in set(meta) & set(expected) if meta[n] != expected[n])
+        raise ValueError(
+            f"the sync stream changed since the first sync: missing {missing[:3]}, unexpected {extra[:3]}, "
+            f"changed {[(n, expected[n], meta[n]) for n in changed[:3]]}"
+        )
+    checks = []
+    for name, t in pairs:
+        if name.endswith(".weight_scale_inv"):
+            weight = name.removesuffix("_scale_inv")
+            if weight not in meta or meta[weight][1] != torch.float8_e4m3fn:
+                raise ValueError(f"{name} has no float8_e4m3fn {weight} beside it in the sync stream")
+            n, k = meta[weight][0][-2:]
+            if tuple(t.shape[-2:]) != (-(-n // 128), -(-k // 128)) or t.dtype != torch.float32:
+                raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; {weight} {n}x{k} needs fp32 128x128 blocks")
+            checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
+        elif t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
+            checks.append((name, torch.isfinite(t).all()))
+    if checks:
+        ok = torch.stack([c.to(checks[0][1].device) for _, c in checks]).cpu()  # one sync for the whole stream
+        if not bool(ok.all()):
+            bad = [name for (name, _), good in zip(checks, ok.tolist(), strict=True) if not good]
+            raise ValueError(f"the sync stream holds NaN, inf or non-positive scales in {bad[:5]}; nothing was sent")
+    return meta
+
+
+def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:
+    """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache."""
+    if wake_weights:
+        empty_cache()
+        llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
+    llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+
+
+class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
+    """TRL's colocated `VLLMGeneration`, serving block FP8 refitted from the learner.
+
+    Args:
+        model, accelerator, processing_class, **kwargs:
+            `VLLMGeneration`'s, as `GRPOTrainer` passes them (`mode` must be `"colocate"`).
+        recipe (`FP8Recipe`):
+            Block size, scale rule and which linears are FP8 (must match the learner's conversion).
+        fp8_kv_cache (`bool`), kv_scale_percentile (`float`), kv_scale_margin (`float`):
+            FP8 KV cache, with K/V scales recalibrated from the learner before every sync.
+        vllm_llm_kwargs (`dict`, *optional*):
+            Extra `vllm.LLM` arguments; the keys of `RESERVED_LLM_KWARGS` are refused.
+    """
+
+    def __init__(
+        self,
+        model,
+        accelerator,
+        processing_class,
+        *,
+        recipe,
+        fp8_kv_cache: bool = False,
+        kv_scale_percentile: float = 99.9,
+        kv_scale_margin: float = 1.05,
+        vllm_llm_kwargs: dict | None = None,
+        **kwargs,
+    ):
+        self._init_stream(
+            model,
+            accelerator,
+            recipe,
+            fp8=True,
+            kv_cache=fp8_kv_cache,
+            kv_scale_percentile=kv_scale_percentile,
+            kv_scale_margin=kv_scale_margin,
+        )
+        self.vllm_llm_kwargs = check_llm_kwargs(vllm_llm_kwargs)
+        self._stream_meta: dict | None = None
+        super().__init__(model, accelerator, processing_class, **kwargs)
+
+    def _init_vllm(self) -> None:
+        if self.mode != "colocate":
+            raise ValueError(f"FP8VLLMGeneration runs colocated vLLM only, got vllm_mode={self.mode!r}")
+        check_vllm_version()
+        policy = self.accelerator.unwrap_model(self.model)
+        if not getattr(policy, "name_or_path", None):
+            raise ValueError(
+                "colocated vLLM reads the model's config from `model.name_or_path`, which is empty: save the model "
+                "(save_pretrained) and pass its folder to FP8GRPOTrainer"
+            )
+        overrides = fp8_llm_kwargs(
+            policy,
+            self.recipe,
+            tp_size=self.tensor_parallel_size,
+            kv_cache=self.kv_cache,
+            user_kwargs=self.vllm_llm_kwargs,
+        )
+        os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = deep_gemm_e8m0_env(self.recipe)
+        import trl.generation.vllm_generation as trl_vllm
+
+        make_llm = trl_vllm.LLM
+
+        def make_fp8_llm(*args, **trl_kwargs):
+            return make_llm(*args, **{**trl_kwargs, **overrides})
+
+        # TRL's `_init_vllm` builds the engine (TP groups, environment, sleep mode); only its arguments change.
+        trl_vllm.LLM = make_fp8_llm
+        try:
+            super()._init_vllm()
+        finally:
+            trl_vllm.LLM = make_llm
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Refits the engine with the learner's FP8 stream (TRL calls this once per optimizer step)."""
+        calibration_seconds = self._maybe_calibrate()
+        start = time.perf_counter()
+        pairs = self.state_stream()
+        self._stream_meta = validate_stream(pairs, self._stream_meta)
+        sent, bf16 = stream_nbytes(pairs)
+        refit(self.llm, pairs, wake_weights=self.enable_sleep_mode)
+        self._llm_weights_sleeping = False
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
+        if self.kv_cache:
+            self.last_sync["kv_calibration_seconds"] = calibration_seconds

@@ -1,0 +1,124 @@
+"""How vLLM lays out a block-FP8 decoder, and the checks that must pass before an engine is built.
+
+vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, splits column-parallel layers' outputs and
+row-parallel layers' inputs over tensor-parallel ranks, and gives each fused partition one `weight` (N, K) e4m3 and
+one `weight_scale_inv` (ceil(N/128), ceil(K/128)) fp32 (`Fp8LinearMethod.create_weights`). Its rule on block shapes
+(`fp8_utils.validate_fp8_block_shape`, identical in vLLM 0.22.0 and 0.31.0):
+
+- row-parallel with TP > 1: the per-rank input must be a multiple of block_k;
+- column-parallel with TP > 1: every shard's per-rank output must be a multiple of block_n;
+- fused layers without TP: every shard but the last must be a multiple of block_n.
+
+And vLLM's `is_layer_skipped` needs every shard of a fused layer in the same precision. These are checked here, on
+the learner, so that a bad combination fails at `FP8GRPOTrainer(...)` naming the layer, not deep inside vLLM.
+"""
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..quant.convert import select_fp8_linears
+
+
+# vLLM's stacked-parameter mapping for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass
+class VLLMLinear:
+    """One linear as vLLM builds it on one tensor-parallel rank."""
+
+    name: str  # vLLM's module name, e.g. `model.layers.0.self_attn.qkv_proj`
+    shards: tuple[str, ...]  # the Hugging Face modules it holds, in order
+    input_size: int  # K of the whole layer
+    input_size_per_partition: int
+    output_partition_sizes: tuple[int, ...]  # each shard's rows on this rank
+    tp_size: int
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return sum(self.output_partition_sizes), self.input_size_per_partition
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        n, k = self.weight_shape
+        return math.ceil(n / 128), math.ceil(k / 128)
+
+    def block_shape_error(self, block: tuple[int, int] = (128, 128)) -> str | None:
+        """vLLM's `validate_fp8_block_shape`, as a message (or `None` when the layer passes)."""
+        block_n, block_k = block
+        row_split = self.tp_size > 1 and self.input_size // self.input_size_per_partition == self.tp_size
+        if row_split and self.input_size_per_partition % block_k:
+            return f"input per rank {self.input_size_per_partition} is not a multiple of {block_k}"
+        tp_split = self.tp_size > 1 and self.name.rsplit(".", 1)[-1] not in ROW_PARALLEL
+        sizes = self.output_partition_sizes
+        if tp_split or len(sizes) > 1:
+            checked = sizes if tp_split else sizes[:-1]
+            bad = [(shard, n) for shard, n in zip(self.shards, checked, strict=False) if n % block_n]
+            if bad:
+                shard, n = bad[0]
+                return f"output of {shard} per rank is {n}, not a multiple of {block_n}"
+        return None
+
+
+def _attention_rows(config, tp_size: int) -> dict[str, int]:
+    """Rows of q, k and v on one rank: KV heads are replicated when there are fewer of them than ranks."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_per_rank = max(1, kv_heads // tp_size)
+    return {"q_proj": heads // tp_size * head_dim, "k_proj": kv_per_rank * head_dim, "v_proj": kv_per_rank * head_dim}
+
+
+def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
+    """The linears vLLM builds for `model`'s decoder layers on one rank (fused where vLLM fuses)."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    attention = _attention_rows(model.config, tp_size)
+    out = []
+    for name, module in modules.items():
+        parent, _, leaf = name.rpartition(".")
+        fused = next((f for f, shards in FUSED.items() if leaf == shards[0]), None)
+        if fused is not None:
+            shards = tuple(f"{parent}.{s}" for s in FUSED[fused])
+            if not all(s in modules for s in shards):
+                continue
+            rows = tuple(attention.get(s.rpartition(".")[2], modules[s].out_features // tp_size) for s in shards)
+            k = module.in_features
+            out.append(VLLMLinear(f"{parent}.{fused}", shards, k, k, rows, tp_size))
+        elif leaf in ROW_PARALLEL:
+            k = module.in_features
+            out.append(VLLMLinear(name, (name,), k, k // tp_size, (module.out_features,), tp_size))
+    return out
+
+
+def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[str]:
+    """Raises a `ValueError` naming the first layer vLLM would refuse in block FP8 with `tp_size` ranks (a block
+    shape, or fused shards in different precisions); returns the Hugging Face names of the linears kept in high
+    precision, for vLLM's `ignored_layers`."""
+    fp8 = set(select_fp8_linears(model, recipe)[0])
+    kept = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name not in fp8 and "lm_head" not in name.split(".")
+    ]
+    for layer in vllm_linears(model, tp_size):
+        in_fp8 = [s in fp8 for s in layer.shards]
+        if any(in_fp8) and not all(in_fp8):
+            split = ", ".join(
+                f"{s} ({'FP8' if f else 'high precision'})" for s, f in zip(layer.shards, in_fp8, strict=True)
+            )
+            raise ValueError(
+                f"vLLM fuses {layer.name} and needs all its shards in one precision, but the recipe gives {split}. "
+                "Keep the whole group in high precision with FP8Recipe.modules_to_not_convert."
+            )
+        if all(in_fp8):
+            error = layer.block_shape_error(tuple(recipe.weight_block_size))
+            if error:
+                raise ValueError(
+                    f"vLLM cannot serve {layer.name} in block FP8 with vllm_tensor_parallel_size={tp_size}: {error} "
+                    f"(weight {layer.weight_shape[0]}x{layer.weight_shape[1]} per rank). Use another tensor-parallel "
+                    "size, or keep the layer in high precision with FP8Recipe.modules_to_not_convert."
+                )
+    return kept
