@@ -29,11 +29,17 @@ def test_every_recipe_parses_into_fp8_grpo_config(tmp_path):
     assert recipes
     for path in recipes:
         parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+        # GPU recipes ask for bf16, which TrainingArguments refuses without a GPU unless told it is a CPU run.
         script_args, training_args, _ = parser.parse_args_and_config(
-            args=["--config", str(path), "--output_dir", str(tmp_path)]
+            args=["--config", str(path), "--output_dir", str(tmp_path), "--use_cpu", "true"]
         )
         assert isinstance(training_args, FP8GRPOConfig), path.name
         assert training_args.resolved_fp8_recipe is not None
+        assert all(callable(example.import_reward(p)) for p in script_args.reward_funcs), path.name
+        # The accelerate config a GPU recipe names exists.
+        for word in path.read_text().split():
+            if word.startswith("examples/accelerate_configs/"):
+                assert (ROOT / word).exists(), (path.name, word)
 
 
 def test_demo_runs_through_accelerate_launch(tmp_path):
