@@ -53,7 +53,13 @@ def test_scales_follow_the_weights():
         model.model.layers[0].self_attn.k_proj.weight.mul_(2)  # RoPE is linear: K doubles, V does not move
     after = calibrate_kv_scales(model.get_decoder(), ids, mask)
     torch.testing.assert_close(after[0, 0], 2 * before[0, 0], rtol=1e-5, atol=0)
-    assert after[0, 1] == before[0, 1]  # layer 0's V is untouched
+    assert after[0, 1] == before[0, 1] and after[0, 2] == before[0, 2]  # layer 0's V and Q are untouched
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(3)  # Q after RoPE triples
+    again = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    torch.testing.assert_close(again[0, 2], 3 * after[0, 2], rtol=1e-5, atol=0)
+    assert again.shape == (2, 3) and torch.equal(again[0, :2], after[0, :2])
+    assert model.config._attn_implementation == "sdpa"  # the recording attention is switched back off
     assert not torch.equal(after[1], before[1])  # layer 1 sees layer 0's changed output
 
 
@@ -118,6 +124,12 @@ def test_a_missing_scale_is_an_error_never_one():
     pairs = [(n, t) for n, t in engine.state_stream() if n != "model.layers.1.self_attn.v_scale"]
     with pytest.raises(ValueError, match="missing from the stream: model.layers.1.self_attn.v_scale"):
         load_state_stream(engine.sampler, pairs)
+    pairs = [(n, t) for n, t in engine.state_stream() if n != "model.layers.0.self_attn.q_scale"]
+    with pytest.raises(ValueError, match="missing from the stream: model.layers.0.self_attn.q_scale"):
+        load_state_stream(engine.sampler, pairs)
+    engine.sampler.model.layers[1].self_attn.q_scale.fill_(-1.0)
+    with pytest.raises(ValueError, match=r"layer 1 has no valid q_scale \(-1.0\)"):
+        engine.generate(demo_prompts(tokenizer, 2))
 
 
 def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):

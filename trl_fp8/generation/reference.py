@@ -21,7 +21,7 @@ from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import load_state_stream, stream_nbytes
-from ..quant.kv_cache import FP8KVCache
+from ..quant.kv_cache import FP8_QUERY_ATTENTION, FP8KVCache, set_attention
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
 from .stream import LearnerStream
@@ -80,7 +80,7 @@ class ReferenceEngine(LearnerStream):
             Sampling parameters, as in `GRPOConfig`.
         kv_cache (`bool`, *optional*, defaults to `False`):
             Store keys and values in E4M3 with per-layer scales that travel in the stream in vLLM's names
-            (`model.layers.{i}.self_attn.k_scale` / `v_scale`), recalibrated from the learner whenever it changed.
+            (`model.layers.{i}.self_attn.k_scale` / `v_scale` / `q_scale`), recalibrated from the learner whenever it changed.
         kv_scale_percentile (`float`), kv_scale_margin (`float`):
             How scales are derived from the per-token K/V amax (see `trl_fp8.quant.kv_cache`).
     """
@@ -136,8 +136,10 @@ class ReferenceEngine(LearnerStream):
             # vLLM's checkpoint names; -1 marks "never received", so a missing scale can never pass as 1.0.
             for name in self._attn_names:
                 module = self.sampler.get_submodule(name)
-                module.register_buffer("k_scale", torch.tensor(-1.0, device=self.sampler.device))
-                module.register_buffer("v_scale", torch.tensor(-1.0, device=self.sampler.device))
+                for scale in ("k_scale", "v_scale", "q_scale"):
+                    module.register_buffer(scale, torch.tensor(-1.0, device=self.sampler.device))
+            # Queries go through E4M3 with `q_scale`, as in vLLM's FP8-KV attention.
+            set_attention(self.sampler, self._attn_names, FP8_QUERY_ATTENTION)
 
     @torch.no_grad()
     def sync_weights(self) -> None:
@@ -170,6 +172,9 @@ class ReferenceEngine(LearnerStream):
         if self.kv_cache:
             attn = [self.sampler.get_submodule(name) for name in self._attn_names]
             cache = FP8KVCache([(a.k_scale.item(), a.v_scale.item()) for a in attn])
+            for i, a in enumerate(attn):
+                if not a.q_scale.item() > 0:
+                    raise ValueError(f"FP8 KV cache: layer {i} has no valid q_scale ({a.q_scale.item()}); sync first")
         with profiler or nullcontext():
             out = self.sampler.generate(
                 input_ids=input_ids.to(device),

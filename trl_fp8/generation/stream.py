@@ -13,7 +13,8 @@ from ..quant.linear import weights_epoch
 
 
 def attention_module_names(model: nn.Module) -> list[str]:
-    """The decoder layers' attention modules (`model.layers.{i}.self_attn`), whose `k_scale` / `v_scale` vLLM reads."""
+    """The decoder layers' attention modules (`model.layers.{i}.self_attn`), whose `k_scale` / `v_scale` / `q_scale`
+    vLLM reads."""
     return [name for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
 
 
@@ -50,8 +51,8 @@ class LearnerStream:
         if self.kv_cache:
             if self._kv_scale_invs is None:
                 raise RuntimeError("FP8 KV cache: no K/V scales yet; sync_weights() calibrates them first")
-            for name, (k, v) in zip(self._attn_names, self._kv_scale_invs, strict=True):
-                pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v)]
+            for name, (k, v, q) in zip(self._attn_names, self._kv_scale_invs, strict=True):
+                pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v), (f"{name}.q_scale", q)]
         return pairs
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""FP8 KV cache: per-layer K/V scales calibrated from the policy, and a transformers cache that stores E4M3.
+"""FP8 KV cache: per-layer Q/K/V scales calibrated from the policy, and a transformers cache that stores E4M3.
 
 The cache stores `clamp(x / s, ±448)` in E4M3 with one static dequant multiplier `s` per layer for keys and one for
 values, and dequantizes on read, as vLLM's `kv_cache_dtype="fp8"` does with checkpoint scales. vLLM names those
@@ -9,10 +9,17 @@ the updated policy after every optimizer step:
     s = percentile_tokens(amax over heads and head dims of K (or V) after RoPE) * margin / 448
 
 The percentile over tokens ignores a handful of outlier tokens; the margin leaves room for the policy to drift.
+With an FP8 KV cache, vLLM's FlashAttention-3 path also quantizes the queries to E4M3 with one per-layer `q_scale`
+(1.0 when none is loaded); it is calibrated the same way, and the reference engine quantizes its queries with it.
 """
 
+from contextlib import contextmanager
+
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .blockwise import FP8_DTYPE, FP8_MAX
 
@@ -71,6 +78,62 @@ class FP8KVCache(Cache):
         super().__init__(layers=[FP8KVLayer(k, v) for k, v in scale_invs])
 
 
+RECORD_QUERY_ATTENTION = "trl_fp8_record_query"
+FP8_QUERY_ATTENTION = "trl_fp8_fp8_query"
+_query_amax: dict[int, torch.Tensor] | None = None  # set while `calibrate_kv_scales` runs
+
+
+def _base_attention(module):
+    # The implementation the model was configured with (transformers' own eager kernels are per model: sdpa stands in).
+    name = getattr(module, "trl_fp8_base_attention", None) or "sdpa"
+    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
+
+
+def _record_query(module, query, *args, **kwargs):
+    if _query_amax is not None:
+        _query_amax[module.layer_idx] = query.detach().abs().amax(dim=(1, 3)).float()  # (B, H, T, D) -> (B, T)
+    return _base_attention(module)(module, query, *args, **kwargs)
+
+
+def _fp8_query(module, query, *args, **kwargs):
+    # As vLLM's `Attention.query_quant`: E4M3 with the layer's static scale, then attention on the dequantized values.
+    s = module.q_scale
+    q = (query.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s
+    return _base_attention(module)(module, q.to(query.dtype), *args, **kwargs)
+
+
+AttentionInterface.register(RECORD_QUERY_ATTENTION, _record_query)
+AttentionInterface.register(FP8_QUERY_ATTENTION, _fp8_query)
+
+
+def set_attention(model: torch.nn.Module, attention_names: list[str], implementation: str) -> str:
+    """Routes the attention of `model` through `implementation` (one of the two above), which then calls the
+    model's configured implementation; returns the previous name so that it can be restored."""
+    previous = model.config._attn_implementation
+    base = (
+        getattr(model.get_submodule(attention_names[0]), "trl_fp8_base_attention", previous)
+        if attention_names
+        else previous
+    )
+    for name in attention_names:
+        model.get_submodule(name).trl_fp8_base_attention = base
+    model.config._attn_implementation = implementation
+    return previous
+
+
+@contextmanager
+def _recording_queries(model: torch.nn.Module):
+    global _query_amax
+    names = [n for n, m in model.named_modules() if n.endswith("self_attn") and hasattr(m, "layer_idx")]
+    previous = set_attention(model, names, RECORD_QUERY_ATTENTION)
+    _query_amax = {}
+    try:
+        yield _query_amax
+    finally:
+        _query_amax = None
+        model.config._attn_implementation = previous
+
+
 class KVAmaxRecorder(DynamicCache):
     """A `DynamicCache` that records, for every layer, the per-token amax of the keys and values it stores."""
 
@@ -96,13 +159,15 @@ def calibrate_kv_scales(
     percentile: float = 99.9,
     margin: float = 1.05,
 ) -> torch.Tensor:
-    """Runs `decoder` (the base model, without its LM head) on a calibration batch and returns the (num_layers, 2)
-    fp32 tensor of K and V dequant multipliers, from the padding-free tokens only."""
+    """Runs `decoder` (the base model, without its LM head) on a calibration batch and returns the (num_layers, 3)
+    fp32 tensor of K, V and Q dequant multipliers (after RoPE, as the cache and the attention kernel see them), from
+    the padding-free tokens only."""
     recorder = KVAmaxRecorder()
-    decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=recorder, use_cache=True)
+    with _recording_queries(decoder) as query_amax:
+        decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=recorder, use_cache=True)
     valid = attention_mask.bool()
     scales = [
-        [kv_scale_inv_from_amax(amax[valid], percentile, margin) for amax in recorder.token_amax[i]]
+        [kv_scale_inv_from_amax(amax[valid], percentile, margin) for amax in (*recorder.token_amax[i], query_amax[i])]
         for i in sorted(recorder.token_amax)
     ]
     return torch.tensor(scales, dtype=torch.float32)
