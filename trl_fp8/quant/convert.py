@@ -8,14 +8,17 @@ they stay in high precision, with one warning that lists them).
 """
 
 import fnmatch
+import logging
 import re
 import warnings
 
 from torch import nn
 
 from .linear import FP8Linear
+from .te_linear import is_te_linear, te_linear_class, te_status
 
 
+logger = logging.getLogger(__name__)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ROUTER_RE = re.compile(r"(?:^|\.)(?:gate|router)$")
 
@@ -91,7 +94,9 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             The recipe; defaults to `FP8Recipe()`.
 
     Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
-    Converting an already converted model is a no-op for the modules already in FP8.
+    Converting an already converted model is a no-op for the modules already in FP8. With `backend="te"` (or
+    `"auto"` on a GPU where TransformerEngine runs the recipe), the linears become TransformerEngine linears
+    instead (weights copied, names unchanged); fused MoE experts always use `FP8Experts`.
     """
     from ..recipe import FP8Recipe
     from .moe import FP8Experts
@@ -106,36 +111,53 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             f"{recipe.weight_block_size} weight block and stay in high precision: {', '.join(misaligned)}",
             stacklevel=2,
         )
+    te_linear = _te_linear_for(model, recipe)
     for name in selected:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        if isinstance(module, FP8Linear):
+        if isinstance(module, FP8Linear) or is_te_linear(module):
             continue
-        setattr(
-            parent,
-            child,
-            FP8Linear.from_linear(
+        if te_linear is not None:
+            new = te_linear.from_linear(module, pow2_scales=recipe.pow2_scales, name=name)
+        else:
+            new = FP8Linear.from_linear(
                 module,
                 backend=recipe.backend,
                 pow2_scales=recipe.pow2_scales,
                 weight_block_size=tuple(recipe.weight_block_size),
                 name=name,
-            ),
-        )
+            )
+        setattr(parent, child, new)
     for name in experts:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, child)
         if not isinstance(module, FP8Experts):
-            kwargs = dict(backend=recipe.backend, pow2_scales=recipe.pow2_scales, name=name)
+            # TransformerEngine has no grouped-expert module for this layout: experts use trl-fp8's GEMM backends.
+            backend = "auto" if recipe.backend == "te" else recipe.backend
+            kwargs = dict(backend=backend, pow2_scales=recipe.pow2_scales, name=name)
             setattr(parent, child, FP8Experts(module, **kwargs))
     model.fp8_recipe = recipe
     return model
 
 
 def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The `FP8Linear` and `FP8Experts` modules of `model`, by name."""
+    """The `FP8Linear`, TransformerEngine and `FP8Experts` modules of `model`, by name."""
     from .moe import FP8Experts
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear | FP8Experts)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear | FP8Experts) or is_te_linear(m)}
+
+
+def _te_linear_for(model: nn.Module, recipe):
+    """TransformerEngine's linear class when the recipe asks for it (or `auto` finds it usable), else `None`."""
+    if recipe.backend not in ("te", "auto"):
+        return None
+    ok, why = te_status()
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if recipe.backend == "te" and not (ok and on_gpu):
+        raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else 'the model is not on a GPU'}")
+    if not (ok and on_gpu):
+        return None
+    logger.info("trl-fp8: backend=%r converts linears to TransformerEngine (%s)", recipe.backend, why)
+    return te_linear_class()

@@ -25,6 +25,7 @@ from .blockwise import quantize_blockwise
 from .convert import select_fp8_experts, select_fp8_linears
 from .linear import FP8Linear
 from .moe import FP8Experts, iter_expert_pairs
+from .te_linear import is_te_linear
 
 
 def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,7 +51,7 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
                 done.add(prefix + which)
             yield from iter_expert_pairs(prefix, fused["gate_up_proj"], fused["down_proj"])
             continue
-        if isinstance(module, FP8Linear):
+        if isinstance(module, FP8Linear) or is_te_linear(module):
             q, s = module.quantized_weight()
         elif mod_name in to_quantize:
             q, s = quantize_blockwise(

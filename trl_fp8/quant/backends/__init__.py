@@ -11,7 +11,8 @@ The backends:
 - `emulated`: reference quantization, dequantize + fp32 matmul, any device (the oracle).
 - `torch`: `torch.nn.functional.scaled_mm` blockwise (cuBLAS), Hopper only; fused Triton quantization.
 - `triton`: trl-fp8's own Triton block-scaled GEMM and fused quantization, Hopper and newer.
-- `te`: TransformerEngine swaps whole modules instead of GEMMs and arrives in its own change; asking for it raises.
+- `te`: TransformerEngine swaps whole modules instead of GEMMs (`trl_fp8.quant.te_linear`, chosen by
+  `convert_to_fp8`); as a GEMM backend it raises.
 """
 
 import logging
@@ -40,7 +41,10 @@ def available_backends(device: torch.device | None = None) -> dict[str, str]:
     for name, mod in BACKENDS.items():
         ok, why = mod.is_available(device)
         out[name] = ("available: " if ok else "unavailable: ") + why
-    out["te"] = "unavailable: the TransformerEngine backend is not part of this version of trl-fp8"
+    from ..te_linear import te_status
+
+    ok, why = te_status()
+    out["te"] = ("available: " if ok else "unavailable: ") + why + " (swaps whole modules: convert_to_fp8)"
     return out
 
 
@@ -58,6 +62,11 @@ def resolve_backend(name: str, device: torch.device | None = None) -> ModuleType
                     _auto_logged.add(key)
                     logger.info("trl-fp8: backend='auto' picked %r for device %s", candidate, device)
                 return mod
+    if name == "te" and available_backends(device)["te"].startswith("available"):
+        raise RuntimeError(
+            "FP8 backend 'te' replaces whole modules, not GEMMs: convert with convert_to_fp8(model, "
+            "FP8Recipe(backend='te'))"
+        )
     mod = BACKENDS.get(name)
     ok, why = mod.is_available(device) if mod is not None else (False, "")
     if not ok:

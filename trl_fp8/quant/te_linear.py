@@ -1,0 +1,144 @@
+"""The `te` backend: TransformerEngine's own linear (`transformer_engine.pytorch.Linear`) under `te.autocast` with a
+`Float8BlockScaling` recipe, the kernels NeMo RL trains with (Hopper, CUDA >= 12.9).
+
+Written against TransformerEngine 2.20's source; no machine this project tests on has TE, so the GPU tests in
+`tests/test_te_backend.py` (marked `te`) are what verify it. What it takes care of:
+
+- The fp32-scale switch is the environment variable `NVTE_FP8_BLOCK_SCALING_FP32_SCALES`, read once when TE is
+  imported (class attributes of `Float8BlockScaling`; its constructor flag is ignored). It is set here before the
+  first import from the recipe, and a TE imported with the other setting is refused rather than silently used.
+- `te.autocast(recipe=None)` would pick DelayedScaling on Hopper: the recipe is always passed.
+- The swapped module keeps `weight` / `bias` names, and has no `_extra_state` entry (no framework-private state in
+  checkpoints or in the sync stream).
+- `quantized_weight()` returns TE's own block quantization of the weight (its `Float8BlockQuantizer`, the one its
+  forward uses), so the sampler receives exactly the grid TE computed with.
+- TE's FP8 GEMMs need the token count to be a multiple of 8: inputs are padded with zero rows, which add nothing.
+"""
+
+import functools
+import math
+import os
+
+import torch
+from torch import nn
+
+from .linear import weights_epoch
+
+
+FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+
+
+@functools.cache
+def te_status() -> tuple[bool, str]:
+    """Whether TransformerEngine can run this recipe here, and why (not)."""
+    # TE reads the scale switch at import: fp32 scales (NeMo RL's setting) unless the user chose otherwise first.
+    os.environ.setdefault(FP32_SCALES_ENV, "1")
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError:
+        return False, 'transformer_engine is not installed (pip install "trl-fp8[te]", on a CUDA machine)'
+    except Exception as err:  # a broken CUDA install surfaces here, not as ImportError
+        return False, f"transformer_engine failed to import: {err}"
+    ok, reason = te.is_fp8_block_scaling_available(return_reason=True)
+    if not ok:
+        return False, f"TransformerEngine cannot run Float8BlockScaling here: {reason}"
+    major, minor = torch.cuda.get_device_capability()
+    if major >= 10:
+        return True, f"SM{major}{minor}: TransformerEngine emulates this recipe with MXFP8 and needs pow2_scales=True"
+    return True, f"TransformerEngine on SM{major}{minor}"
+
+
+def te_block_recipe(pow2_scales: bool):
+    """TE's `Float8BlockScaling`, after checking that the imported TE applies the recipe's scale rule."""
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    te_pow2 = Float8BlockScaling.fp8_quant_fwd_weight.power_2_scale
+    if te_pow2 != pow2_scales:
+        raise RuntimeError(
+            f"TransformerEngine was imported with {FP32_SCALES_ENV}={os.environ.get(FP32_SCALES_ENV)!r} "
+            f"(pow2 scales: {te_pow2}) but FP8Recipe.pow2_scales={pow2_scales}. TE reads it once, at import: set "
+            f"{FP32_SCALES_ENV}={'0' if pow2_scales else '1'} before anything imports transformer_engine."
+        )
+    if not pow2_scales and torch.cuda.get_device_capability()[0] >= 10:
+        raise RuntimeError("on Blackwell, TransformerEngine runs this recipe as MXFP8: set FP8Recipe.pow2_scales=True")
+    return Float8BlockScaling()
+
+
+@functools.cache
+def te_linear_class() -> type:
+    """`TEFP8Linear`, defined on first use so that importing trl_fp8 never imports TransformerEngine."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch import Float8BlockQuantizer
+    from transformer_engine.pytorch.constants import DType
+
+    class TEFP8Linear(te.Linear):
+        """`te.Linear` running the recipe's blockwise FP8, swapped in for an `nn.Linear` of the same shape."""
+
+        # nn.Module's own: no `_extra_state` key (TE keeps no state this recipe needs).
+        get_extra_state = nn.Module.get_extra_state
+        set_extra_state = nn.Module.set_extra_state
+
+        @classmethod
+        def from_linear(cls, linear: nn.Linear, *, pow2_scales: bool, name: str | None = None) -> "TEFP8Linear":
+            new = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                params_dtype=linear.weight.dtype,
+                device=linear.weight.device,
+            )
+            with torch.no_grad():
+                new.weight.copy_(linear.weight)
+                if linear.bias is not None:
+                    new.bias.copy_(linear.bias)
+            new.weight.requires_grad_(linear.weight.requires_grad)
+            new.te_recipe = te_block_recipe(pow2_scales)
+            new.pow2_scales = pow2_scales
+            new.fp8_name = f"{name}.weight" if name else "weight"
+            new._w_cache = None
+            new.train(linear.training)
+            return new
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            x2d = x.reshape(-1, x.shape[-1])
+            pad = -x2d.shape[0] % 8
+            if pad:
+                x2d = torch.nn.functional.pad(x2d, (0, 0, 0, pad))
+            with te.autocast(enabled=True, recipe=self.te_recipe):
+                y = super().forward(x2d, *args, **kwargs)
+            return y[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
+
+        @torch.no_grad()
+        def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+            """TE's own 128x128 quantization of the weight: `(e4m3 (N, K), scale_inv (ceil(N/128), ceil(K/128)))`,
+            cached until the weight changes."""
+            w = self.weight
+            key = (weights_epoch(), w._version, w.data_ptr())
+            if self._w_cache is None or self._w_cache[0] != key:
+                quantizer = Float8BlockQuantizer(
+                    DType.kFloat8E4M3,
+                    rowwise=True,
+                    columnwise=False,
+                    block_scaling_dim=2,
+                    force_pow_2_scales=self.pow2_scales,
+                )
+                qt = quantizer(w)
+                k_blocks = math.ceil(w.shape[1] / 128)
+                # TE pads the scale rows to a multiple of 4 for its GEMMs; the checkpoint format has none.
+                q = qt._rowwise_data.view(torch.float8_e4m3fn)
+                s = qt._rowwise_scale_inv[:, :k_blocks].contiguous()
+                if not bool(torch.isfinite(s).all()):
+                    raise ValueError(f"cannot quantize {self.fp8_name!r} to FP8: it holds NaN or inf")
+                self._w_cache = (key, q, s)
+            return self._w_cache[1], self._w_cache[2]
+
+        def extra_repr(self) -> str:
+            return (
+                f"{super().extra_repr()}, fp8=e4m3 w128x128/x1x128 (TransformerEngine), pow2_scales={self.pow2_scales}"
+            )
+
+    return TEFP8Linear
+
+
+def is_te_linear(module: nn.Module) -> bool:
+    return te_linear_class.cache_info().currsize > 0 and isinstance(module, te_linear_class())
