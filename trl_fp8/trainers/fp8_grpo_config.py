@@ -31,9 +31,10 @@ class FP8GRPOConfig(GRPOConfig):
             Sample with W8A8 block-FP8 linears whose weights and scales are the learner's own quantization (or the
             recipe's quantization of the learner's weights when `fp8_training=False`: "FP8 generation only").
         fp8_kv_cache (`bool`, *optional*, defaults to `False`):
-            Sample with an FP8 (E4M3) KV cache, half the memory of BF16. Its per-layer K/V scales are recalibrated from
-            the updated learner after every optimizer step (a no-grad forward of the learner's decoder on a small
-            slice of the latest batch) and travel in the sync stream in vLLM's names. Requires `fp8_generation`.
+            Sample with an FP8 (E4M3) KV cache, half the memory of BF16, and FP8 queries (as vLLM's FP8-KV attention
+            runs). Its per-layer Q/K/V scales are recalibrated from the updated learner after every optimizer step (a
+            no-grad forward of the learner's decoder on a small slice of the latest batch) and travel in the sync
+            stream in vLLM's names (`k_scale`, `v_scale`, `q_scale`). Requires `fp8_generation`.
         fp8_kv_scale_percentile (`float`, *optional*, defaults to `99.9`):
             Percentile, over tokens, of the per-token K/V amax that sets each layer's scale.
         fp8_kv_scale_margin (`float`, *optional*, defaults to `1.05`):
