@@ -37,6 +37,8 @@ def test_train_loss_types(tmp_path, demo_tokenizer, loss_type):
     keys = set().union(*logs)
     for key in ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob_ratio", "fp8/sync_bytes"):
         assert key in keys, key
+    # The kernels the learner ran on are in the logs (on CPU, "auto" resolves to the emulated oracle).
+    assert trainer.fp8_backend == "emulated" and "fp8/backend/emulated" in keys
 
 
 def test_train_multiple_iterations(tmp_path, demo_tokenizer):

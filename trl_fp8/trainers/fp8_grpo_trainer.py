@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 from contextlib import contextmanager
 from functools import partial
@@ -11,10 +12,15 @@ from trl.trainer.utils import get_config_model_id
 
 from ..generation.reference import ReferenceEngine, left_pad
 from ..generation.vllm_fp8 import FP8VLLMGeneration
+from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
 from ..quant.moe import capture_routing, is_fused_experts
+from ..quant.te_linear import is_te_linear
 from .fp8_grpo_config import FP8GRPOConfig
+
+
+logger = logging.getLogger(__name__)
 
 
 class FP8GRPOTrainer(GRPOTrainer):
@@ -73,10 +79,13 @@ class FP8GRPOTrainer(GRPOTrainer):
             )
         with _engine_class(engine):
             super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.fp8_backend = "none"
         if args.fp8_training:
-            convert_to_fp8(self.accelerator.unwrap_model(self.model), recipe)
+            policy = convert_to_fp8(self.accelerator.unwrap_model(self.model), recipe)
             if self.ref_model is not None:
                 convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
+            self.fp8_backend = learner_backend(policy, recipe)
+            logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
 
         if args.use_vllm:
             return  # vLLM samples: block FP8 (FP8VLLMGeneration) or, with fp8_generation=False, TRL's BF16 engine
@@ -122,7 +131,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             "## FP8 training",
             "",
             "Trained with trl-fp8's `FP8GRPOTrainer`: "
-            f"FP8 training `{args.fp8_training}`, FP8 generation `{args.fp8_generation}`, importance sampling "
+            f"FP8 training `{args.fp8_training}` (backend `{self.fp8_backend}`), FP8 generation "
+            f"`{args.fp8_generation}` ({'colocated vLLM' if args.use_vllm else 'reference engine'}), importance sampling "
             f"`{args.vllm_importance_sampling_mode}` (cap {args.vllm_importance_sampling_clip_max}) "
             f"{'on' if args.vllm_importance_sampling_correction else 'off'}.",
             "",
@@ -185,6 +195,8 @@ class FP8GRPOTrainer(GRPOTrainer):
                 torch.cat([output["prompt_mask"][:rows], output["completion_mask"][:rows]], dim=1),
             )
         mode = "train" if self.model.training else "eval"
+        # A constant series whose name says which kernels trained this step (te, torch, triton, emulated).
+        self._metrics[mode][f"fp8/backend/{self.fp8_backend}"].append(1.0)
         sync = getattr(engine, "last_sync", None)
         if sync is not None:
             engine.last_sync = None
@@ -292,3 +304,12 @@ def _engine_class(engine_class):
         yield
     finally:
         trl_grpo.VLLMGeneration = original
+
+
+def learner_backend(policy, recipe) -> str:
+    """Which kernels the converted learner runs on: `te` if its linears are TransformerEngine's, else the GEMM
+    backend `recipe.backend` resolves to on the learner's device."""
+    if any(is_te_linear(m) for m in policy.modules()):
+        return "te"
+    device = next(policy.parameters()).device
+    return resolve_backend("emulated" if recipe.backend == "te" else recipe.backend, device).name
