@@ -88,3 +88,25 @@ def tiny_grpo_args(output_dir, **overrides):
     )
     kwargs.update(overrides)
     return FP8GRPOConfig(**kwargs)
+
+
+def triton_marks() -> list:
+    """Skip marks for tests of the Triton kernels: compiled on a GPU, or run by Triton's CPU interpreter (whose loops
+    over runtime ints need triton >= 3.9 with numpy >= 2.4)."""
+    try:
+        import triton
+    except ImportError:
+        return [pytest.mark.skip(reason="triton is not installed")]
+    from trl_fp8.quant.backends._quantize import triton_status
+
+    old_interpreter = not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9)
+    return [
+        pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1]),
+        pytest.mark.skipif(old_interpreter, reason="Triton's CPU interpreter needs triton >= 3.9"),
+    ]
+
+
+# The same FP8 products summed in another order. In fp32 (the interpreter) that is ~2^-24 per add: > 100 dB. Hopper's
+# FP8 MMA keeps only ~14 mantissa bits while it sums one 128-deep K block (DeepSeek-V3 §3.3.2; the reason scales are
+# applied per block in fp32): ~2^-13 relative, measured 78 dB for both cuBLAS and Triton on an H200.
+ACCUMULATION_DB = 70 if torch.cuda.is_available() else 100

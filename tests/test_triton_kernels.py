@@ -11,28 +11,18 @@ import copy
 
 import pytest
 import torch
-from conftest import sqnr_db
+from conftest import ACCUMULATION_DB, sqnr_db, triton_marks
 from torch import nn
 
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import emulated, resolve_backend
-from trl_fp8.quant.backends._quantize import fast_act, fast_weight, triton_status
+from trl_fp8.quant.backends._quantize import fast_act, fast_weight
 
 
-triton = pytest.importorskip("triton")
-# Before 3.9 the CPU interpreter cannot loop over a runtime int with numpy >= 2.4 (`int()` of a 1-element array).
-_OLD_INTERPRETER = not torch.cuda.is_available() and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9)
-pytestmark = [
-    pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1]),
-    pytest.mark.skipif(_OLD_INTERPRETER, reason="Triton's CPU interpreter needs triton >= 3.9"),
-]
+pytestmark = triton_marks()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT_ROUNDING = DEVICE == "cuda"
-# The same FP8 products summed in another order. In fp32 (the interpreter) that is ~2^-24 per add: > 100 dB. Hopper's
-# FP8 MMA keeps only ~14 mantissa bits while it sums one 128-deep K block (DeepSeek-V3 §3.3.2; the reason scales are
-# applied per block in fp32): ~2^-13 relative, measured 78 dB for both cuBLAS and Triton on an H200.
-ACCUMULATION_DB = 70 if DEVICE == "cuda" else 100
 
 
 def _codes(q: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ tensor is E independent weights). With I a multiple of 128, the blocks of the fu
 gate and up, so slicing its quantization gives exactly what quantizing `gate_proj` and `up_proj` alone gives: the
 per-expert checkpoint tensors vLLM loads (`...mlp.experts.{e}.gate_proj.weight` + `weight_scale_inv`).
 
-- `FP8Experts` (learner): the fused Parameters, unchanged, with every expert GEMM (forward, dgrad, wgrad) in FP8.
+- `FP8Experts` (learner): the fused Parameters, unchanged, with every expert GEMM (forward, dgrad, wgrad) in FP8:
+  one grouped kernel per GEMM for all experts on the fast backends (`moe_grouped.py`), a loop over experts on the
+  `emulated` oracle.
 - `W8A8Experts` (sampler): per-expert `W8A8Linear`s in checkpoint names, vLLM's numerics.
 The router stays in high precision in both (it is not a fused-experts module).
 """
@@ -16,8 +18,10 @@ import torch
 from torch import nn
 
 from .backends import resolve_backend
+from .backends._quantize import triton_status
 from .blockwise import quantize_blockwise
 from .linear import _FP8LinearFunction, weights_epoch
+from .moe_grouped import grouped_experts_forward
 from .w8a8 import W8A8Linear
 
 
@@ -59,17 +63,38 @@ class FP8Experts(nn.Module):
             self._cache[which] = (key, q, s)
         return self._cache[which][1], self._cache[which][2]
 
+    @torch.no_grad()
+    def quantized_with_t(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`quantized(which)` plus the transposed codes (E, K, N), K-major for the grouped dgrad; once per step."""
+        q, s = self.quantized(which)
+        key = self._cache[which][0]
+        cached = self._cache.get(f"{which}_t")
+        if cached is None or cached[0] != key:
+            cached = (key, q.transpose(1, 2).contiguous())
+            self._cache[f"{which}_t"] = cached
+        return q, s, cached[1]
+
+    def _backend(self, device: torch.device):
+        if device not in self._backends:
+            self._backends[device] = resolve_backend(self.backend, device)
+        return self._backends[device]
+
     def _linear(self, x, which: str, e: int):
         q, s = self.quantized(which)
-        if x.device not in self._backends:
-            self._backends[x.device] = resolve_backend(self.backend, x.device)
         weight = getattr(self, which)[e]  # a view: its gradient lands in the fused Parameter
         # Wᵀ stays a view of the fused tensor here; a backend that needs it K-major copies it.
         return _FP8LinearFunction.apply(
-            x, weight, None, q[e], s[e], q[e].t(), (128, 128), self._backends[x.device], self.pow2_scales
+            x, weight, None, q[e], s[e], q[e].t(), (128, 128), self._backend(x.device), self.pow2_scales
         )
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        # The fast backends run every expert of the layer in one grouped kernel per GEMM (moe_grouped.py); the
+        # emulated oracle loops over experts, as transformers does.
+        if self._backend(hidden_states.device).name in ("torch", "triton") and triton_status()[0]:
+            return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return self.forward_per_expert(hidden_states, top_k_index, top_k_weights)
+
+    def forward_per_expert(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         for e, top_k_pos, token_idx in _route(self.num_experts, top_k_index):
             gate, up = self._linear(hidden_states[token_idx], "gate_up_proj", e).chunk(2, dim=-1)

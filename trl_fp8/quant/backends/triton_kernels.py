@@ -245,3 +245,98 @@ def gemm(
 
         gemm_kernel_tuned[grid](*args, B_ROWS_PER_SCALE=b_block[0], BLOCK_K=128)
     return c
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, M, N, K,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Rows of A come grouped by expert in 128-aligned segments: every M tile belongs to one expert, whose B it uses.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128).to(tl.int64)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_rows = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    b_base = b_ptr + expert * stride_be
+    bs_base = bs_ptr + expert * stride_bse
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + offs_k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
+        b = tl.load(b_base + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
+        a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask)
+        b_s = tl.load(bs_base + (b_rows // 128) * stride_bsn + kb * stride_bsk)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, seg_ptr, N, K,
+    stride_an, stride_at, stride_bk, stride_bt, stride_ce, stride_cn, stride_ck,
+    stride_asn, stride_ast, stride_bsk, stride_bst,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # dW[e] = Aᵀ-segment · Bᵀ-segment over expert e's 128-token blocks [seg[e], seg[e+1]).
+    expert, pid = tl.program_id(0), tl.program_id(1)
+    grid_k = tl.cdiv(K, BLOCK_K)
+    pid_n, pid_k = pid // grid_k, pid % grid_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    rows_k = tl.where(offs_k < K, offs_k, 0).to(tl.int64)
+    start, end = tl.load(seg_ptr + expert), tl.load(seg_ptr + expert + 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for tb in range(start, end):
+        t = (tb * 128 + tl.arange(0, 128)).to(tl.int64)
+        a = tl.load(a_ptr + rows_n[:, None] * stride_an + t[None, :] * stride_at)
+        b = tl.load(b_ptr + rows_k[None, :] * stride_bk + t[:, None] * stride_bt)
+        a_s = tl.load(as_ptr + rows_n * stride_asn + tb * stride_ast)
+        b_s = tl.load(bs_ptr + rows_k * stride_bsk + tb * stride_bst)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    c = c_ptr + expert.to(tl.int64) * stride_ce + offs_n[:, None] * stride_cn + offs_k[None, :] * stride_ck
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype):
+    """`C[rows of e] = A[rows of e] @ B[e].T` for A (M, K) in 1x128 blocks, grouped by expert in 128-row-aligned
+    segments (`tile_expert[i]`: the expert of rows 128i..128i+127), and B (E, N, K) in 128x128 blocks."""
+    m, k = a.shape
+    n = b.shape[1]
+    if b.stride(2) != 1:
+        b = b.contiguous()  # K-major for the FP8 MMA
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    block_m, block_n = (64, 64) if _interpreting() else (128, 128)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grouped_gemm_kernel[grid](
+        a, b, c, a_scale_inv, b_scale_inv, tile_expert, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a_scale_inv.stride(0), a_scale_inv.stride(1),
+        b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, **({} if _interpreting() else {"num_warps": 8, "num_stages": 3}),
+    )  # fmt: skip
+    return c
+
+
+def grouped_wgrad(at, at_scale_inv, bt, bt_scale_inv, segments, num_experts, out_dtype):
+    """`dW[e] = At[:, seg e] @ Bt[:, seg e].T` for At (N, M) and Bt (K, M) in 1x128 blocks along M, expert e's
+    tokens being the 128-blocks `segments[e]:segments[e+1]`. Returns (E, N, K); experts without tokens get zeros."""
+    n, k = at.shape[0], bt.shape[0]
+    c = torch.empty((num_experts, n, k), dtype=out_dtype, device=at.device)
+    block = 64 if _interpreting() else 128
+    grid = (num_experts, triton.cdiv(n, block) * triton.cdiv(k, block))
+    grouped_wgrad_kernel[grid](
+        at, bt, c, at_scale_inv, bt_scale_inv, segments, n, k,
+        at.stride(0), at.stride(1), bt.stride(0), bt.stride(1), c.stride(0), c.stride(1), c.stride(2),
+        at_scale_inv.stride(0), at_scale_inv.stride(1), bt_scale_inv.stride(0), bt_scale_inv.stride(1),
+        BLOCK_N=block, BLOCK_K=block, **({} if _interpreting() else {"num_warps": 8, "num_stages": 3}),
+    )  # fmt: skip
+    return c

@@ -1,0 +1,91 @@
+"""The grouped MoE fast path against the per-expert path, on the same FP8 backend (Triton: compiled on a GPU, its CPU
+interpreter otherwise), and the grouped kernels against the `emulated` oracle on the same FP8 operands."""
+
+import copy
+
+import pytest
+import torch
+from conftest import ACCUMULATION_DB, sqnr_db, triton_marks
+
+from trl_fp8 import FP8Recipe, convert_to_fp8
+from trl_fp8.demo.tiny_moe import tiny_deepseek_v3, tiny_qwen3_moe
+from trl_fp8.quant import quantize_blockwise
+from trl_fp8.quant.backends import emulated
+from trl_fp8.quant.moe import FP8Experts
+from trl_fp8.quant.moe_grouped import group_by_expert
+
+
+pytestmark = triton_marks()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_group_by_expert_layout():
+    top_k = torch.tensor([[2, 0], [2, 1], [0, 4], [2, 0]])  # expert 4 == num_experts: a dropped pair
+    g = group_by_expert(top_k, num_experts=4)
+    assert g.rows == 3 * 128 and g.segments.tolist() == [0, 1, 2, 3, 3]  # expert 3 has no tokens
+    assert g.tile_expert.tolist() == [0, 1, 2]
+    by_row = {int(r): (int(t), int(p)) for r, t, p in zip(g.dest, g.token, g.pos, strict=True)}
+    assert by_row == {0: (0, 1), 1: (2, 0), 2: (3, 1), 128: (1, 1), 256: (0, 0), 257: (1, 0), 258: (3, 0)}
+
+
+def _quantized_operands(m_per_expert, k, n):
+    """A buffer of 128-aligned expert segments (zero rows between), its experts' weights, all quantized."""
+    torch.manual_seed(0)
+    top_k = torch.cat([torch.full((m, 1), e) for e, m in enumerate(m_per_expert)])
+    g = group_by_expert(top_k, len(m_per_expert))
+    x = torch.zeros(g.rows, k).index_copy(0, g.dest, torch.randn(len(top_k), k)[g.token]).to(DEVICE)
+    w = torch.randn(len(m_per_expert), n, k, device=DEVICE)
+    return g, x, w
+
+
+def test_grouped_kernels_match_the_oracle_expert_by_expert():
+    from trl_fp8.quant.backends.triton_kernels import grouped_gemm, grouped_wgrad
+
+    g, x, w = _quantized_operands([130, 0, 60], k=256, n=384)
+    dy = torch.randn(g.rows, 384, device=DEVICE) * (x.abs().sum(1, keepdim=True) > 0)
+    xq, xs = quantize_blockwise(x, (1, 128))
+    wq, ws = quantize_blockwise(w, (128, 128))
+    tile_expert, segments = g.tile_expert.to(DEVICE), g.segments.to(DEVICE)
+    y = grouped_gemm(xq, xs, wq, ws, tile_expert, torch.float32)
+    dyq, dys = quantize_blockwise(dy, (1, 128))
+    wqt, wst = wq.transpose(1, 2), ws.transpose(1, 2)
+    dx = grouped_gemm(dyq, dys, wqt, wst, tile_expert, torch.float32)
+    dytq, dyts = quantize_blockwise(dy.t(), (1, 128))
+    xtq, xts = quantize_blockwise(x.t(), (1, 128))
+    dw = grouped_wgrad(dytq, dyts, xtq, xts, segments, 3, torch.float32)
+    for e in range(3):
+        rows = slice(int(g.segments[e]) * 128, int(g.segments[e + 1]) * 128)
+        if rows.start == rows.stop:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))  # an expert without tokens gets no gradient
+            continue
+        blocks = slice(rows.start // 128, rows.stop // 128)
+        torch.testing.assert_close(
+            sqnr_db(emulated.gemm(xq[rows], xs[rows], wq[e], ws[e], (128, 128), torch.float32), y[rows]),
+            200.0, atol=200 - ACCUMULATION_DB, rtol=0,
+        )  # fmt: skip
+        ref_dx = emulated.gemm(dyq[rows], dys[rows], wqt[e], wst[e], (128, 128), torch.float32)
+        ref_dw = emulated.gemm(dytq[:, rows], dyts[:, blocks], xtq[:, rows], xts[:, blocks], (1, 128), torch.float32)
+        assert sqnr_db(ref_dx, dx[rows]) > ACCUMULATION_DB and sqnr_db(ref_dw, dw[e]) > ACCUMULATION_DB
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3_moe, tiny_deepseek_v3])
+def test_grouped_experts_match_the_per_expert_path(build):
+    """Forward, input gradient and both fused weight gradients of a whole MoE layer, grouped vs looped over experts
+    on the same backend: identical quantization, so only the summation order differs."""
+    model = build().to(DEVICE)
+    convert_to_fp8(model, FP8Recipe(backend="triton"))
+    experts = next(m for m in model.modules() if isinstance(m, FP8Experts))
+    looped = copy.deepcopy(experts)
+    torch.manual_seed(1)
+    tokens, hidden = 200, experts.gate_up_proj.shape[-1]
+    x = torch.randn(tokens, hidden, device=DEVICE)
+    top_k_index = torch.randint(0, experts.num_experts, (tokens, 2), device=DEVICE)
+    top_k_weights = torch.rand(tokens, 2, device=DEVICE)
+    outputs = []
+    for module, run in ((experts, experts.forward), (looped, looped.forward_per_expert)):
+        xi = x.clone().requires_grad_()
+        y = run(xi, top_k_index, top_k_weights)
+        y.square().sum().backward()
+        outputs.append((y, xi.grad, module.gate_up_proj.grad, module.down_proj.grad))
+    for (got, ref), what in zip(zip(*outputs, strict=True), ("y", "dx", "d gate_up", "d down"), strict=True):
+        assert sqnr_db(ref, got) > ACCUMULATION_DB - 10, what  # -10: two chained FP8 layers, requantized between

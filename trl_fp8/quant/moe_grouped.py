@@ -1,0 +1,103 @@
+"""The grouped fast path of `FP8Experts`: all experts of a layer in one kernel per GEMM instead of a loop.
+
+Routed (token, k) pairs are copied into one buffer, grouped by expert, each expert's segment starting on a multiple
+of 128 rows (zero rows fill the gaps). Then every 128-row tile belongs to one expert, and one pass of the fused
+quantizer over the buffer gives exactly the per-expert quantizations: rows are quantized alone along K, and the
+column-wise (wgrad) blocks of 128 tokens never straddle two experts; the zero rows raise no amax. The GEMMs are the
+grouped Triton kernels of `backends/triton_kernels.py`. Numerically this is the per-expert path of `moe.py`, summed
+in another order (the tests hold the two together).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .backends._quantize import fast_act
+
+
+class ExpertGroups(NamedTuple):
+    dest: torch.Tensor  # (P,) buffer row of each routed pair, pairs in expert order
+    token: torch.Tensor  # (P,) its token
+    pos: torch.Tensor  # (P,) its top-k slot
+    tile_expert: torch.Tensor  # (rows / 128,) int32: the expert of each 128-row tile
+    segments: torch.Tensor  # (E + 1,) int32: each expert's first 128-row tile; the last entry is rows / 128
+    rows: int
+
+
+@torch.no_grad()
+def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """Where each routed (token, k) pair of `top_k_index` (T, k) goes in the 128-aligned expert-grouped buffer."""
+    k = top_k_index.shape[1]
+    flat = top_k_index.flatten()
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    # Index `num_experts` marks a dropped pair in some models (transformers' loop skips it too); it sorts last.
+    keep = expert < num_experts
+    order, expert = order[keep], expert[keep]
+    counts = torch.bincount(expert, minlength=num_experts)
+    tiles = (counts + 127) // 128
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    first_pair = torch.cumsum(counts, 0) - counts
+    dest = first_tile[expert] * 128 + torch.arange(len(order), device=flat.device) - first_pair[expert]
+    segments = torch.cat([first_tile, tiles.sum().reshape(1)]).to(torch.int32)
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), tiles).to(torch.int32)
+    return ExpertGroups(dest, order // k, order % k, tile_expert, segments, int(tiles.sum()) * 128)
+
+
+class _GroupedFP8Function(torch.autograd.Function):
+    """Y[rows of e] = X[rows of e] · W[e]ᵀ for every expert e at once (M buffer rows, K in, N out, E experts):
+
+    - fprop: Y[M, N]     = X[M, K] · W[e][N, K]ᵀ    X in 1x128 blocks along K, W[e] in 128x128 blocks
+    - dgrad: dX[M, K]    = dY[M, N] · W[e][N, K]    dY in 1x128 blocks along N, W[e]ᵀ (cached K-major)
+    - wgrad: dW[e][N, K] = dY_eᵀ[N, M_e] · X_e[M_e, K]   dYᵀ and Xᵀ in 1x128 blocks along each expert's tokens
+
+    Every GEMM accumulates in fp32, the scales applied per 128-deep K block.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, w_fp8, w_scale_inv, w_fp8_t, tile_expert, segments, pow2_scales):
+        from .backends.triton_kernels import grouped_gemm
+
+        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = fast_act(x, pow2_scales, weight.requires_grad)
+        y = grouped_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, tile_expert, x.dtype)
+        ctx.save_for_backward(w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv, tile_expert, segments)
+        ctx.pow2_scales, ctx.x_dtype, ctx.w_dtype, ctx.num_experts = (
+            pow2_scales,
+            x.dtype,
+            weight.dtype,
+            weight.shape[0],
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .backends.triton_kernels import grouped_gemm, grouped_wgrad
+
+        w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv, tile_expert, segments = ctx.saved_tensors
+        dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = fast_act(
+            dy.contiguous(), ctx.pow2_scales, ctx.needs_input_grad[1]
+        )
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv.transpose(1, 2), tile_expert, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_wgrad(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, segments, ctx.num_experts, ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None
+
+
+def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+    """`FP8Experts.forward` on the grouped kernels: same inputs and output as transformers' experts modules."""
+    groups = group_by_expert(top_k_index, experts.num_experts)
+    x = hidden_states.new_zeros(groups.rows, hidden_states.shape[-1])
+    x = x.index_copy(0, groups.dest, hidden_states[groups.token])
+
+    def linear(x, which):
+        q, s, qt = experts.quantized_with_t(which)
+        weight = getattr(experts, which)
+        return _GroupedFP8Function.apply(x, weight, q, s, qt, groups.tile_expert, groups.segments, experts.pow2_scales)
+
+    gate, up = linear(x, "gate_up_proj").chunk(2, dim=-1)
+    # Padding rows stay zero through act(0) * 0 for the activations MoE models use (SiLU, GELU).
+    y = linear(experts.act_fn(gate) * up, "down_proj")
+    y = y[groups.dest] * top_k_weights[groups.token, groups.pos, None]
+    return torch.zeros_like(hidden_states).index_add(0, groups.token, y.to(hidden_states.dtype))
