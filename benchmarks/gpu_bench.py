@@ -5,12 +5,14 @@
 
 (a) block-FP8 GEMM TFLOP/s at Llama-3.1-8B shapes, (b) `FP8Linear` forward+backward with all its quantization,
 (c) quantize bandwidth as a share of a device-to-device copy, (d) a training step of a random Llama-3.2-1B-shaped model
-at 4096 tokens, tokens/s, (e) peak memory, (f) every fast path against the `emulated` oracle on the same inputs.
+at 4096 tokens, tokens/s, (e) peak memory, (f) every fast path against the `emulated` oracle on the same inputs,
+(g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts.
 Writes `gpu_bench.json` and `gpu_bench.md`. On a machine without an SM90 GPU the fast backend is `emulated` and the
 ratios mean nothing; `--smoke` exists to check the script itself there.
 """
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -20,12 +22,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import BACKENDS, emulated, resolve_backend
 from trl_fp8.quant.backends._quantize import fast_act, fast_weight, triton_status
+from trl_fp8.quant.moe import FP8Experts
 from trl_fp8.quant.te_linear import te_linear_class, te_status
 
 
@@ -176,6 +180,49 @@ def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iter
     return out
 
 
+def bench_moe(device, tokens: int, iters: int, smoke: bool):
+    """(g) One Qwen3-30B-A3B-shaped MoE layer (128 experts, top-8, H 2048, I 768), forward+backward: transformers'
+    BF16 experts (eager loop and `grouped_mm`) vs FP8Experts' grouped Triton kernels; the grouped path is also
+    checked against FP8Experts' per-expert loop on the same backend."""
+    kw = (
+        dict(hidden_size=256, moe_intermediate_size=128, num_experts=8)
+        if smoke
+        else dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128)
+    )
+    torch.manual_seed(0)
+    x = torch.randn(tokens, kw["hidden_size"], device=device, dtype=torch.bfloat16)
+    top_k_index = torch.stack([torch.randperm(kw["num_experts"], device=device)[:8] for _ in range(tokens)])
+    top_k_weights = torch.rand(tokens, 8, device=device, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+
+    def step(run, x=x):
+        x = x.detach().requires_grad_()
+        run(x, top_k_index, top_k_weights).backward(dy)
+        return x.grad
+
+    out, ref_grad = {}, None
+    for impl in ("eager", "grouped_mm"):
+        config = Qwen3MoeConfig(**kw, num_experts_per_tok=8, hidden_act="silu", experts_implementation=impl)
+        experts = Qwen3MoeExperts(config).to(device=device, dtype=torch.bfloat16)
+        torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
+        torch.nn.init.normal_(experts.down_proj, std=0.02)
+        try:
+            out[f"bf16 {impl}"] = dict(ms=timed(lambda experts=experts: step(experts), device, iters=iters) * 1e3)
+            ref_grad = step(experts)
+        except Exception as err:  # grouped_mm needs a recent GPU and torch
+            out[f"bf16 {impl}"] = dict(error=repr(err)[:200])
+    fp8 = FP8Experts(copy.deepcopy(experts), backend="triton" if device.type == "cuda" else "emulated")
+    ms = timed(lambda: step(fp8), device, iters=iters) * 1e3
+    grad = step(fp8)
+    looped = step(fp8.forward_per_expert)
+    out["fp8 grouped"] = dict(
+        ms=ms, dx_sqnr_vs_bf16_db=sqnr(ref_grad, grad), dx_sqnr_vs_per_expert_db=sqnr(looped, grad)
+    )
+    best_bf16 = min(v["ms"] for k, v in out.items() if k.startswith("bf16") and "ms" in v)
+    out["fp8 grouped"]["ratio_vs_best_bf16"] = best_bf16 / ms
+    return out
+
+
 def markdown(results) -> str:
     names = results["backends"]
     lines = [f"Device: {results['device']}; torch {results['torch']}; triton {results.get('triton')}; "
@@ -226,6 +273,19 @@ def markdown(results) -> str:
                 continue
             lines.append(f"| {label} | {v['tokens_per_s']:.0f} | {v['step_ms']:.1f} | {v.get('ratio', 1.0):.2f} | "
                          f"{v['peak_memory_gib']:.2f} |")  # fmt: skip
+    if "moe" in results:
+        lines += [
+            "",
+            "(g) MoE layer (Qwen3-30B-A3B shape) forward+backward",
+            "",
+            "| path | ms | notes |",
+            "|---|---|---|",
+        ]
+        for k, v in results["moe"].items():
+            notes = ", ".join(
+                f"{a} {b:.2f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items() if a != "ms"
+            )
+            lines.append(f"| {k} | {v.get('ms', float('nan')):.2f} | {notes} |")
     if "targets_met" in results:
         lines += [
             "",
@@ -292,6 +352,7 @@ def main():
         ("linear", lambda: bench_linear(device, backends, m_lin, shapes, iters)),
         ("quantize", lambda: bench_quantize(device, ms[0], shapes[0][0], iters)),
         ("train_step", lambda: bench_train_step(device, backends, config, seq, batch, max(2, iters // 2))),
+        ("moe", lambda: bench_moe(device, 256 if args.smoke else 8192, iters, args.smoke)),
         # One sequence per step: small GEMMs, where per-kernel overheads show.
         ("train_step_1seq", lambda: bench_train_step(device, dict(list(backends.items())[:1]), config, seq, 1, 4)),
     ]
