@@ -116,7 +116,7 @@ quant_weight_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K"])(q
 def gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    stride_asm, stride_ask, stride_bsn, stride_bsk, SHAPE_BUCKET,
     B_ROWS_PER_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -151,7 +151,14 @@ configs = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
     for bm, bn, w, s in ((128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4))
 ]
-gemm_kernel_tuned = triton.autotune(configs=configs, key=["M", "N", "K", "B_ROWS_PER_SCALE"])(gemm_kernel)
+# The token count is M in fprop/dgrad and K in wgrad, and changes every RL step: tuning is keyed on the shape rounded
+# to powers of two (`SHAPE_BUCKET`), so a new batch length does not re-tune.
+gemm_kernel_tuned = triton.autotune(configs=configs, key=["SHAPE_BUCKET", "B_ROWS_PER_SCALE"])(gemm_kernel)
+
+
+def _shape_bucket(m: int, n: int, k: int) -> int:
+    """One int naming (M, N, K) rounded up to powers of two: log2 values packed 8 bits each."""
+    return sum(max(0, (v - 1).bit_length()) << shift for v, shift in ((m, 16), (n, 8), (k, 0)))
 
 
 def _interpreting() -> bool:
@@ -232,7 +239,7 @@ def gemm(
     args = (
         a, b, c, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         c.stride(0), c.stride(1), a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
-        b_scale_inv.stride(1),
+        b_scale_inv.stride(1), _shape_bucket(m, n, k),
     )  # fmt: skip
     if _interpreting():
         # The interpreter runs one config; autotuning there would only multiply the (slow) interpreted work.
