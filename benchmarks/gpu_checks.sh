@@ -3,15 +3,16 @@
 # Triton (TE and vLLM tests skip cleanly when those are missing). Results land in OUT_DIR:
 #   pytest.log, bench.log, gpu_bench.json, gpu_bench.md
 #
-#   bash benchmarks/gpu_checks.sh OUT_DIR
+#   bash benchmarks/gpu_checks.sh OUT_DIR [gpu_bench.py options, e.g. --smoke to check the script on a CPU]
 #
 # Run from the repository root; trl-fp8 need not be installed (PYTHONPATH), nor TRL (the numerics do not import it).
 set -uo pipefail
-out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR}
+out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [gpu_bench.py options]}
+shift
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$out/env.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/env.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs \
   tests/test_triton_kernels.py tests/test_moe_grouped.py tests/test_linear.py tests/test_blockwise.py tests/test_te_backend.py \
   2>&1 | tee "$out/pytest.log" | tail -30
-timeout 420 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 330 2>&1 | tee "$out/bench.log" | tail -80
+timeout 420 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 330 "$@" 2>&1 | tee "$out/bench.log" | tail -80
