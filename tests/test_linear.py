@@ -149,3 +149,24 @@ def test_torch_backend_linear_matches_emulated():
     fast(xf).float().pow(2).sum().backward()
     slow(xs).float().pow(2).sum().backward()
     assert sqnr_db(xs.grad, xf.grad) > 35 and sqnr_db(slow.weight.grad, fast.weight.grad) > 35
+
+
+def test_no_grad_forwards_skip_the_wgrad_quantization(monkeypatch):
+    """TRL's old-logprob and reference forwards run under no_grad: they must not pay for Xᵀ (wgrad's operand)."""
+    calls = []
+    original = emulated.quantize_act
+
+    def spy(x2d, pow2_scales, with_t):
+        calls.append(with_t)
+        return original(x2d, pow2_scales, with_t)
+
+    monkeypatch.setattr(emulated, "quantize_act", spy)
+    _, fp8 = make_layer()
+    x = torch.randn(4, 384)
+    with torch.no_grad():
+        y_inference = fp8(x)
+    y = fp8(x)
+    y.sum().backward()
+    # no-grad forward: X only; training forward: X and Xᵀ; backward: dY and dYᵀ.
+    assert calls == [False, True, True]
+    assert torch.equal(y_inference, y.detach())

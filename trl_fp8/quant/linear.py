@@ -44,10 +44,13 @@ class _FP8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_fp8, w_scale_inv, w_fp8_t, w_block, backend, pow2_scales):
+    def forward(ctx, x, weight, bias, w_fp8, w_scale_inv, w_fp8_t, w_block, backend, pow2_scales, wgrad=True):
         x2d = x.reshape(-1, x.shape[-1])
-        # One pass makes both usages: X for fprop, Xᵀ for wgrad (only when the weight needs a gradient).
-        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = backend.quantize_act(x2d, pow2_scales, weight.requires_grad)
+        # One pass makes both usages: X for fprop, Xᵀ for wgrad (only when a backward will want the weight's gradient:
+        # not in the no-grad old-logprob and reference forwards, which `wgrad=False` marks).
+        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = backend.quantize_act(
+            x2d, pow2_scales, wgrad and weight.requires_grad
+        )
         # [M, K] @ [K, N] -> [M, N]
         y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)
         if bias is not None:
@@ -75,7 +78,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             dw = backend.gemm(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, (1, 128), ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -192,6 +195,7 @@ class FP8Linear(nn.Linear):
             self.weight_block_size,
             self._backend_for(x.device),
             self.pow2_scales,
+            torch.is_grad_enabled(),
         )
 
     def extra_repr(self) -> str:

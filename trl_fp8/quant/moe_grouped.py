@@ -55,10 +55,10 @@ class _GroupedFP8Function(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, w_fp8, w_scale_inv, w_fp8_t, tile_expert, segments, pow2_scales):
+    def forward(ctx, x, weight, w_fp8, w_scale_inv, w_fp8_t, tile_expert, segments, pow2_scales, wgrad):
         from .backends.triton_kernels import grouped_gemm
 
-        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = fast_act(x, pow2_scales, weight.requires_grad)
+        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = fast_act(x, pow2_scales, wgrad and weight.requires_grad)
         y = grouped_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, tile_expert, x.dtype)
         ctx.save_for_backward(w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv, tile_expert, segments)
         ctx.pow2_scales, ctx.x_dtype, ctx.w_dtype, ctx.num_experts = (
@@ -82,7 +82,7 @@ class _GroupedFP8Function(torch.autograd.Function):
             dx = grouped_gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv.transpose(1, 2), tile_expert, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = grouped_wgrad(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, segments, ctx.num_experts, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
@@ -94,7 +94,9 @@ def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     def linear(x, which):
         q, s, qt = experts.quantized_with_t(which)
         weight = getattr(experts, which)
-        return _GroupedFP8Function.apply(x, weight, q, s, qt, groups.tile_expert, groups.segments, experts.pow2_scales)
+        return _GroupedFP8Function.apply(
+            x, weight, q, s, qt, groups.tile_expert, groups.segments, experts.pow2_scales, torch.is_grad_enabled()
+        )
 
     gate, up = linear(x, "gate_up_proj").chunk(2, dim=-1)
     # Padding rows stay zero through act(0) * 0 for the activations MoE models use (SiLU, GELU).
