@@ -2,6 +2,7 @@
 refused keys, the version range, vLLM's block-FP8 layout against the export stream, the TP rule, stream validation,
 the refit call sequence); the end-to-end run needs vLLM and a GPU (`-m vllm`)."""
 
+import importlib.util
 import json
 import math
 import re
@@ -11,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_kwargs
+from conftest import tiny_config_kwargs, tiny_grpo_args, tiny_policy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
+from trl_fp8.demo.task import digit_count_reward
 from trl_fp8.generation.vllm_fp8 import (
     VLLM_SPECIFIER,
     check_vllm_version,
@@ -30,6 +32,10 @@ from trl_fp8.trainers import FP8GRPOConfig
 ROOT = Path(__file__).resolve().parents[1]
 # head_dim 128 and 2 KV heads: every q/k/v shard stays a multiple of 128 rows at TP 1 and 2.
 TP_READY = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+
+
+def _vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
 
 
 def _config(**kwargs) -> FP8GRPOConfig:
@@ -195,6 +201,27 @@ def test_validate_stream_refuses_bad_streams_before_sending():
         validate_stream([(n, t) for n, t in pairs if n != "model.norm.weight"], meta)
 
 
+@pytest.mark.skipif(_vllm_installed(), reason="with vLLM installed this would build a real engine")
+def test_trl_builds_the_fp8_engine_in_its_vllm_slot(tmp_path, demo_tokenizer):
+    """The real GRPOTrainer, given use_vllm=True, constructs FP8VLLMGeneration with its own arguments: without vLLM
+    here, the first thing that engine does is refuse, naming the extra to install (TRL's engine would say otherwise)."""
+    from trl_fp8 import FP8GRPOTrainer
+    from trl_fp8.demo.task import make_dataset
+
+    with pytest.raises(ImportError, match=r'use_vllm=True needs vLLM: pip install "trl-fp8\[vllm\]"'):
+        FP8GRPOTrainer(
+            model=tiny_policy(demo_tokenizer),
+            reward_funcs=digit_count_reward,
+            args=tiny_grpo_args(tmp_path, use_vllm=True),
+            train_dataset=make_dataset(8),
+            processing_class=demo_tokenizer,
+        )
+    import trl.trainer.grpo_trainer as trl_grpo
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert trl_grpo.VLLMGeneration is VLLMGeneration  # TRL's slot is restored even when construction fails
+
+
 class _RecordingLLM:
     """Stands in for `vllm.LLM`, which cannot run on CPU: records the calls a refit makes, in order."""
 
@@ -227,11 +254,7 @@ def test_refit_call_sequence(sleep_mode):
 
 
 def _vllm_ready() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+    return _vllm_installed() and torch.cuda.is_available()
 
 
 @pytest.mark.gpu
