@@ -17,12 +17,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.task import digit_count_reward
+from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3, tiny_qwen3_moe
 from trl_fp8.generation.vllm_fp8 import (
     VLLM_SPECIFIER,
     check_vllm_version,
     deep_gemm_e8m0_env,
     fp8_llm_kwargs,
     refit,
+    split_fused_experts,
     validate_stream,
 )
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
@@ -85,6 +87,8 @@ def test_llm_kwargs_for_a_recipe():
 def test_reserved_llm_kwargs_are_refused_at_config_time(key, hint):
     with pytest.raises(ValueError, match=rf"vllm_llm_kwargs\['{key}'\].*{hint}"):
         _config(use_vllm=True, vllm_llm_kwargs={key: 1})
+    with pytest.raises(ValueError, match=r"\['hf_overrides'\] must be a dict"):
+        _config(use_vllm=True, vllm_llm_kwargs={"hf_overrides": lambda config: config})
     with pytest.raises(ValueError, match=r"\['quantization_config'\] is set by FP8GRPOTrainer"):
         _config(use_vllm=True, vllm_llm_kwargs={"hf_overrides": {"quantization_config": {}}})
     config = _config(use_vllm=True, vllm_llm_kwargs='{"enforce_eager": true}')
@@ -183,6 +187,43 @@ def test_tp_block_shape_error_names_the_layer():
         check_vllm_fp8_layers(model, FP8Recipe(), 2)
     with pytest.raises(ValueError, match=r"fuses model.layers.0.self_attn.qkv_proj.*k_proj \(high precision\)"):
         check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["k_proj"]), 1)
+
+
+def test_moe_routers_and_high_precision_experts_are_ignored_by_vllm_and_streamed_per_expert():
+    """vLLM builds MoE routers with the model's quant config (Qwen3-MoE) and loads experts per expert: routers of any
+    class, and fused experts the recipe keeps in high precision, must be in `ignored_layers`, and those experts must
+    travel under vLLM's per-expert names."""
+    model = tiny_qwen3_moe()
+    recipe = FP8Recipe(num_first_layers_in_bf16=1)
+    ignored = fp8_llm_kwargs(model, recipe)["hf_overrides"]["quantization_config"]["ignored_layers"]
+    assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.0.mlp.experts"} <= set(ignored)
+    assert "model.layers.1.mlp.experts" not in ignored
+    convert_to_fp8(model, recipe)
+    stream = dict(split_fused_experts(list(iter_fp8_state(model))))
+    assert not any(name.endswith((".experts.gate_up_proj", ".experts.down_proj")) for name in stream)
+    experts = model.model.layers[0].mlp.experts
+    e, two_i, h = experts.gate_up_proj.shape
+    for i in range(e):
+        prefix = f"model.layers.0.mlp.experts.{i}."
+        assert torch.equal(stream[prefix + "gate_proj.weight"], experts.gate_up_proj[i, : two_i // 2])
+        assert torch.equal(stream[prefix + "up_proj.weight"], experts.gate_up_proj[i, two_i // 2 :])
+        assert torch.equal(stream[prefix + "down_proj.weight"], experts.down_proj[i])
+        fp8 = f"model.layers.1.mlp.experts.{i}.down_proj."
+        assert stream[fp8 + "weight"].dtype == torch.float8_e4m3fn and fp8 + "weight_scale_inv" in stream
+    with pytest.raises(
+        ValueError, match=r"model.layers.\d.mlp.experts .*size=2: the expert intermediate size per rank is 64"
+    ):
+        check_vllm_fp8_layers(tiny_qwen3_moe(), FP8Recipe(), 2)
+
+
+def test_mla_fused_a_projections_need_one_precision():
+    """DeepSeek-V3's q_a_proj (128 rows) and kv_a_proj_with_mqa (192: not whole blocks) are one fused layer in vLLM."""
+    with pytest.raises(
+        ValueError, match=r"fuses model.layers.0.self_attn.fused_qkv_a_proj.*kv_a_proj_with_mqa \(high"
+    ):
+        check_vllm_fp8_layers(tiny_deepseek_v3(), FP8Recipe())
+    ignored = check_vllm_fp8_layers(tiny_deepseek_v3(), MOONLIGHT_RECIPE)
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa" in ignored and "model.layers.1.mlp.gate" in ignored
 
 
 def test_validate_stream_refuses_bad_streams_before_sending():

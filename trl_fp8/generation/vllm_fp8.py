@@ -60,7 +60,12 @@ def check_llm_kwargs(user_kwargs: dict | None) -> dict:
             raise ValueError(
                 f"vllm_llm_kwargs[{key!r}] is set by FP8GRPOTrainer; use {RESERVED_LLM_KWARGS[key]} instead."
             )
-    if "quantization_config" in (user_kwargs.get("hf_overrides") or {}):
+    hf_overrides = user_kwargs.get("hf_overrides")
+    if hf_overrides is not None and not isinstance(hf_overrides, dict):
+        raise ValueError(
+            "vllm_llm_kwargs['hf_overrides'] must be a dict here (FP8GRPOTrainer adds the quantization_config to it)"
+        )
+    if "quantization_config" in (hf_overrides or {}):
         raise ValueError(
             "vllm_llm_kwargs['hf_overrides']['quantization_config'] is set by FP8GRPOTrainer from fp8_recipe."
         )
@@ -160,6 +165,24 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
     return meta
 
 
+def split_fused_experts(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """vLLM loads MoE experts one by one (`...experts.{e}.gate_proj.weight`): transformers' fused expert tensors that
+    the recipe keeps in high precision (`...experts.gate_up_proj` (E, 2I, H), `...experts.down_proj` (E, H, I)) are
+    split into those names. FP8 experts already travel per expert."""
+    out = []
+    for name, t in pairs:
+        if name.endswith(".experts.gate_up_proj") and t.dim() == 3:
+            prefix, i = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out += [(f"{prefix}{e}.gate_proj.weight", t[e, :i]), (f"{prefix}{e}.up_proj.weight", t[e, i:])]
+        elif name.endswith(".experts.down_proj") and t.dim() == 3:
+            prefix = name.removesuffix("down_proj")
+            out += [(f"{prefix}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        else:
+            out.append((name, t))
+    return out
+
+
 def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:
     """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache."""
     if wake_weights:
@@ -240,6 +263,9 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             super()._init_vllm()
         finally:
             trl_vllm.LLM = make_llm
+
+    def state_stream(self) -> list[tuple[str, torch.Tensor]]:
+        return split_fused_experts(super().state_stream())
 
     @torch.no_grad()
     def sync_weights(self) -> None:

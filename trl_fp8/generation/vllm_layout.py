@@ -16,13 +16,21 @@ the learner, so that a bad combination fails at `FP8GRPOTrainer(...)` naming the
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from ..quant.convert import select_fp8_linears
+from ..quant.convert import is_router, select_fp8_experts, select_fp8_linears
+from ..quant.moe import is_fused_experts
 
 
-# vLLM's stacked-parameter mapping for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention).
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# vLLM's stacked-parameter mappings: Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention) and
+# DeepSeek-V3's MLA, whose `fused_qkv_a_proj` is replicated on every rank (no TP split).
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+REPLICATED = ("fused_qkv_a_proj",)
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
@@ -84,9 +92,10 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
             shards = tuple(f"{parent}.{s}" for s in FUSED[fused])
             if not all(s in modules for s in shards):
                 continue
-            rows = tuple(attention.get(s.rpartition(".")[2], modules[s].out_features // tp_size) for s in shards)
+            tp = 1 if fused in REPLICATED else tp_size
+            rows = tuple(attention.get(s.rpartition(".")[2], modules[s].out_features // tp) for s in shards)
             k = module.in_features
-            out.append(VLLMLinear(f"{parent}.{fused}", shards, k, k, rows, tp_size))
+            out.append(VLLMLinear(f"{parent}.{fused}", shards, k, k, rows, tp))
         elif leaf in ROW_PARALLEL:
             k = module.in_features
             out.append(VLLMLinear(name, (name,), k, k // tp_size, (module.out_features,), tp_size))
@@ -95,14 +104,30 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
 
 def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[str]:
     """Raises a `ValueError` naming the first layer vLLM would refuse in block FP8 with `tp_size` ranks (a block
-    shape, or fused shards in different precisions); returns the Hugging Face names of the linears kept in high
-    precision, for vLLM's `ignored_layers`."""
+    shape, or fused shards in different precisions); returns the Hugging Face names of what stays in high precision,
+    for vLLM's `ignored_layers`: linears, MoE routers (whatever their class: vLLM would otherwise build some of them
+    in FP8) and fused experts the recipe keeps out of FP8."""
     fp8 = set(select_fp8_linears(model, recipe)[0])
-    kept = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name not in fp8 and "lm_head" not in name.split(".")
-    ]
+    fp8_experts = select_fp8_experts(model, recipe)[0]
+    kept = []
+    for name, m in model.named_modules():
+        if "lm_head" in name.split("."):
+            continue
+        if isinstance(m, nn.Linear) and name not in fp8:
+            kept.append(name)
+        elif is_router(name) and isinstance(getattr(m, "weight", None), torch.Tensor):
+            kept.append(name)
+        elif is_fused_experts(m) and name not in fp8_experts:
+            kept.append(name)
+    for name in fp8_experts:
+        # vLLM's `validate_fp8_block_shape_moe`: each rank's slice of the expert intermediate size in whole blocks.
+        intermediate = model.get_submodule(name).gate_up_proj.shape[1] // 2
+        if (intermediate // tp_size) % 128:
+            raise ValueError(
+                f"vLLM cannot serve {name} in block FP8 with vllm_tensor_parallel_size={tp_size}: the expert "
+                f"intermediate size per rank is {intermediate // tp_size}, not a multiple of 128. Use another "
+                "tensor-parallel size, or keep the experts in high precision with FP8Recipe.modules_to_not_convert."
+            )
     for layer in vllm_linears(model, tp_size):
         in_fp8 = [s in fp8 for s in layer.shards]
         if any(in_fp8) and not all(in_fp8):

@@ -23,6 +23,11 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ROUTER_RE = re.compile(r"(?:^|\.)(?:gate|router)$")
 
 
+def is_router(name: str) -> bool:
+    """Whether the module `name` is an MoE router (`...mlp.gate`, `...router`): routers always stay in high precision."""
+    return _LAYER_RE.search(name) is not None and _ROUTER_RE.search(name) is not None
+
+
 def _matches(name: str, pattern: str) -> bool:
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
