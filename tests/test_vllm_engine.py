@@ -176,6 +176,10 @@ def test_export_stream_fills_vllm_block_fp8_parameters(config_cls, model_cls, tp
     # Qwen2's q/k/v biases travel in high precision beside their FP8 weights.
     if model_cls is Qwen2ForCausalLM:
         assert stream["model.layers.0.self_attn.k_proj.bias"].dtype == torch.float32
+        # ...right after their pair, so that vLLM's layerwise reload can finish qkv_proj without buffering to the end.
+        names = list(stream)
+        i = names.index("model.layers.0.self_attn.k_proj.weight_scale_inv")
+        assert names[i + 1] == "model.layers.0.self_attn.k_proj.bias"
 
 
 def test_tp_block_shape_error_names_the_layer():

@@ -65,6 +65,10 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
         yield f"{prefix}weight", q
         yield f"{prefix}weight_scale_inv", s
         done.add(f"{prefix}weight")
+        if module.bias is not None:
+            # Right after its weight: vLLM's layerwise reload processes a layer once all its tensors have arrived.
+            yield f"{prefix}bias", module.bias.detach()
+            done.add(f"{prefix}bias")
     for name, param in model.named_parameters():
         if name not in done:
             yield name, param.detach()
