@@ -91,6 +91,10 @@ def test_reserved_llm_kwargs_are_refused_at_config_time(key, hint):
         _config(use_vllm=True, vllm_llm_kwargs={"hf_overrides": lambda config: config})
     with pytest.raises(ValueError, match=r"\['quantization_config'\] is set by FP8GRPOTrainer"):
         _config(use_vllm=True, vllm_llm_kwargs={"hf_overrides": {"quantization_config": {}}})
+    with pytest.raises(ValueError, match=r"vllm_llm_kwargs is not valid JSON .*'\{enforce_eager: true\}'"):
+        _config(use_vllm=True, vllm_llm_kwargs="{enforce_eager: true}")
+    with pytest.raises(ValueError, match=r"fp8_recipe is not valid JSON"):
+        _config(fp8_recipe="{pow2_scales: true}")
     config = _config(use_vllm=True, vllm_llm_kwargs='{"enforce_eager": true}')
     assert config.vllm_llm_kwargs == {"enforce_eager": True}
 

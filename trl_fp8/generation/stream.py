@@ -1,5 +1,5 @@
 """What every sampling engine receives from the learner after an optimizer step: the export stream (DESIGN §3),
-plus, with an FP8 KV cache, per-layer K/V scales recalibrated from the updated learner. Shared by the reference
+plus, with an FP8 KV cache, per-layer Q/K/V scales recalibrated from the updated learner. Shared by the reference
 engine and the vLLM engine, so both are refitted with exactly the same tensors."""
 
 import time
@@ -50,14 +50,14 @@ class LearnerStream:
         pairs = list(iter_fp8_state(policy, None if converted else self.recipe))
         if self.kv_cache:
             if self._kv_scale_invs is None:
-                raise RuntimeError("FP8 KV cache: no K/V scales yet; sync_weights() calibrates them first")
+                raise RuntimeError("FP8 KV cache: no Q/K/V scales yet; sync_weights() calibrates them first")
             for name, (k, v, q) in zip(self._attn_names, self._kv_scale_invs, strict=True):
                 pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v), (f"{name}.q_scale", q)]
         return pairs
 
     @torch.no_grad()
     def calibrate_kv_scales(self) -> float:
-        """Recomputes the K/V scales with the learner's current weights; returns the seconds it took."""
+        """Recomputes the Q/K/V scales with the learner's current weights; returns the seconds it took."""
         if self.calibration_batch is None:
             raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
         start = time.perf_counter()

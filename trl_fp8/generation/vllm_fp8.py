@@ -9,7 +9,7 @@ scales (DESIGN §3), so that the sampler's weight grid is the learner's bit for 
   user's `vllm_llm_kwargs`. `VLLM_USE_DEEP_GEMM_E8M0` follows the recipe's `pow2_scales`, so vLLM never re-rounds
   the learner's scales.
 - `sync_weights`: the checkpoint-format stream (`...weight` e4m3 + `...weight_scale_inv` fp32, BF16 for the rest,
-  K/V scales) goes through vLLM's in-place layerwise reload (`Worker.reload_weights(weights_iterator=...,
+  Q/K/V scales) goes through vLLM's in-place layerwise reload (`Worker.reload_weights(weights_iterator=...,
   is_checkpoint_format=True)`), which fuses q/k/v and gate/up with vLLM's own loaders and copies into the original
   storage, then `reset_prefix_cache()`. The stream is validated before the engine is touched. With sleep mode the
   weights are woken first (never a bare reload, which would restore the disk checkpoint: trl#5312); TRL's
@@ -201,7 +201,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         recipe (`FP8Recipe`):
             Block size, scale rule and which linears are FP8 (must match the learner's conversion).
         fp8_kv_cache (`bool`), kv_scale_percentile (`float`), kv_scale_margin (`float`):
-            FP8 KV cache, with K/V scales recalibrated from the learner before every sync.
+            FP8 KV cache, with Q/K/V scales recalibrated from the learner before every sync.
         vllm_llm_kwargs (`dict`, *optional*):
             Extra `vllm.LLM` arguments; the keys of `RESERVED_LLM_KWARGS` are refused.
     """

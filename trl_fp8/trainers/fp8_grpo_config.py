@@ -139,7 +139,7 @@ class FP8GRPOConfig(GRPOConfig):
         super().__post_init__()
         recipe = self.fp8_recipe
         if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
-            recipe = json.loads(recipe)
+            recipe = _json_field("fp8_recipe", recipe)
         try:
             self._fp8_recipe = FP8Recipe.from_any(recipe)
         except ValueError as err:
@@ -159,7 +159,11 @@ class FP8GRPOConfig(GRPOConfig):
         if self.fp8_kv_calibration_rows < 1:
             raise ValueError(f"fp8_kv_calibration_rows must be at least 1, got {self.fp8_kv_calibration_rows}")
         if isinstance(self.vllm_llm_kwargs, str):
-            self.vllm_llm_kwargs = json.loads(self.vllm_llm_kwargs)
+            self.vllm_llm_kwargs = _json_field("vllm_llm_kwargs", self.vllm_llm_kwargs)
+        if self.vllm_llm_kwargs is not None and not isinstance(self.vllm_llm_kwargs, dict):
+            raise ValueError(
+                f"vllm_llm_kwargs must be a dict (or its JSON), got {type(self.vllm_llm_kwargs).__name__}"
+            )
         if self.vllm_llm_kwargs is not None:
             from ..generation.vllm_fp8 import check_llm_kwargs
 
@@ -191,3 +195,10 @@ class FP8GRPOConfig(GRPOConfig):
     def resolved_fp8_recipe(self) -> FP8Recipe:
         """The `FP8Recipe` that `fp8_recipe` describes."""
         return self._fp8_recipe
+
+
+def _json_field(field_name: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{field_name} is not valid JSON ({err.msg} at char {err.pos}): {text!r}") from err
