@@ -40,22 +40,26 @@ class _FP8LinearFunction(torch.autograd.Function):
     - wgrad: dW[N, K] = dY[M, N]ᵀ · X[M, K]    dYᵀ and Xᵀ in 1x128 blocks along M, the token dim (TE's column-wise
       usage; X is quantized this way from the high-precision input in forward, never re-quantized from FP8)
 
-    Every GEMM accumulates in fp32; the bias and its gradient stay in high precision.
+    Every GEMM accumulates in fp32; the bias and its gradient stay in high precision. The backend's quantizer may pad
+    M (zero rows; zero columns of Xᵀ and dYᵀ) to its GEMM's layout: fprop and dgrad drop the extra output rows.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_fp8, w_scale_inv, w_fp8_t, w_block, backend, pow2_scales, wgrad=True):
+    def forward(
+        ctx, x, weight, bias, w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t, w_block, backend, pow2_scales, wgrad=True
+    ):
         x2d = x.reshape(-1, x.shape[-1])
+        m = x2d.shape[0]
         # One pass makes both usages: X for fprop, Xᵀ for wgrad (only when a backward will want the weight's gradient:
         # not in the no-grad old-logprob and reference forwards, which `wgrad=False` marks).
         x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = backend.quantize_act(
             x2d, pow2_scales, wgrad and weight.requires_grad
         )
         # [M, K] @ [K, N] -> [M, N]
-        y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)
+        y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv)
+        ctx.save_for_backward(w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv)
         ctx.backend, ctx.pow2_scales, ctx.w_block = backend, pow2_scales, w_block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -63,22 +67,23 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv = ctx.saved_tensors
+        w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors
         backend, pow2 = ctx.backend, ctx.pow2_scales
         dy2d = dy.reshape(-1, dy.shape[-1])
+        m = dy2d.shape[0]
         dx = dw = db = None
         dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = backend.quantize_act(dy2d, pow2, ctx.needs_input_grad[1])
         if ctx.needs_input_grad[0]:
             # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
             w_block_t = (ctx.w_block[1], ctx.w_block[0])
-            dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv.t(), w_block_t, ctx.x_dtype)
-            dx = dx.reshape(ctx.x_shape)
+            dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv_t, w_block_t, ctx.x_dtype)
+            dx = dx[:m].reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # [N, M] @ [M, K] -> [N, K]
             dw = backend.gemm(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, (1, 128), ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.sum(0)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -113,7 +118,7 @@ class FP8Linear(nn.Linear):
         self.weight_block_size = tuple(weight_block_size)
         self.pow2_scales = pow2_scales
         self.fp8_name = "weight"
-        self._w_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._w_cache: tuple | None = None
         self._backends: dict[torch.device, object] = {}
 
     @classmethod
@@ -154,29 +159,31 @@ class FP8Linear(nn.Linear):
         """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes:
         an optimizer step, an in-place write (version counter) or a new tensor. Raises a `ValueError` naming the
         parameter if the weight holds NaN or inf."""
-        q, s, _ = self._quantized(check_finite=True)
+        q, s, _, _ = self._quantized(check_finite=True)
         return q, s
 
     @torch.no_grad()
-    def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(weight_fp8, weight_scale_inv, weight_fp8ᵀ)`; the transpose is dgrad's operand (contiguous on GPUs,
-        whose FP8 MMA reads both operands K-major: made once per step instead of once per backward)."""
+    def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`; the transposes are dgrad's operands
+        (contiguous on GPUs, whose FP8 MMA reads both operands K-major: made once per step, not once per backward).
+
+        A forward never waits on the host for the NaN/inf check (a sync per layer would stall the GPU between
+        layers): the quantizer hands back the amax, checked at the next `quantized_weight()`, which every sampler
+        sync and the export call, so a non-finite weight never reaches the sampler."""
         w = self.weight
         key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
         if self._w_cache is None or self._w_cache[0] != key:
             backend = self._backend_for(w.device)
-            # A GPU forward must not wait on the host for the NaN/inf check: it is deferred to the next
-            # `quantized_weight()`, which the sampler sync calls once per step.
-            defer = w.is_cuda and not check_finite
             q, s, amax = backend.quantize_weight(
-                w, self.weight_block_size, self.pow2_scales, self.fp8_name, check_finite=not defer
+                w, self.weight_block_size, self.pow2_scales, self.fp8_name, check_finite=check_finite
             )
-            qt = q.t().contiguous() if w.is_cuda and w.requires_grad else q.t()
-            self._w_cache = (key, q, s, qt, amax)
-        if check_finite and self._w_cache[4] is not None:
-            check_amax(self._w_cache[4], w, self.fp8_name)
-            self._w_cache = (*self._w_cache[:4], None)
-        return self._w_cache[1:4]
+            contiguous = w.is_cuda and w.requires_grad
+            qt, st = (q.t().contiguous(), s.t().contiguous()) if contiguous else (q.t(), s.t())
+            self._w_cache = (key, q, s, qt, st, amax)
+        if check_finite and self._w_cache[5] is not None:
+            check_amax(self._w_cache[5], w, self.fp8_name)
+            self._w_cache = (*self._w_cache[:5], None)
+        return self._w_cache[1:5]
 
     def _backend_for(self, device: torch.device):
         if device not in self._backends:
@@ -184,7 +191,7 @@ class FP8Linear(nn.Linear):
         return self._backends[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w_fp8, w_scale_inv, w_fp8_t = self._quantized(check_finite=False)
+        w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = self._quantized(check_finite=False)
         return _FP8LinearFunction.apply(
             x,
             self.weight,
@@ -192,6 +199,7 @@ class FP8Linear(nn.Linear):
             w_fp8,
             w_scale_inv,
             w_fp8_t,
+            w_scale_inv_t,
             self.weight_block_size,
             self._backend_for(x.device),
             self.pow2_scales,

@@ -84,7 +84,7 @@ class FP8Experts(nn.Module):
         weight = getattr(self, which)[e]  # a view: its gradient lands in the fused Parameter
         # Wᵀ stays a view of the fused tensor here; a backend that needs it K-major copies it.
         return _FP8LinearFunction.apply(
-            x, weight, None, q[e], s[e], q[e].t(), (128, 128), self._backend(x.device), self.pow2_scales,
+            x, weight, None, q[e], s[e], q[e].t(), s[e].t(), (128, 128), self._backend(x.device), self.pow2_scales,
             torch.is_grad_enabled(),
         )  # fmt: skip
 

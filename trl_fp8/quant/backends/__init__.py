@@ -2,7 +2,9 @@
 
 - `gemm(a, a_scale_inv, b, b_scale_inv, b_block, out_dtype)`: `A @ B.T` for A (M, K) quantized in 1x128 blocks and
   B (N, K) in `b_block` blocks, both along K.
-- `quantize_act(x2d, pow2_scales, with_t)`: X in 1x128 blocks along K, and Xᵀ in 1x128 blocks along M for wgrad.
+- `quantize_act(x2d, pow2_scales, with_t)`: X in 1x128 blocks along K, and Xᵀ in 1x128 blocks along M for wgrad;
+  it may pad (zero rows of X, zero columns of Xᵀ) to the layout its `gemm` reads without copying, so callers slice a
+  GEMM's output to their row count.
 - `quantize_weight(w, block, pow2_scales, name, check_finite)`: W in `block` blocks -> `(q, scale_inv, amax)`,
   refusing NaN/inf with the parameter's name, or handing back the block amax to check later (`amax` is else None).
 

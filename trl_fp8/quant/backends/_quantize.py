@@ -44,7 +44,8 @@ def reference_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
 
 def fast_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
     """X (M, K) -> `(q, scale_inv, qt, scale_inv_t)`: X in 1x128 blocks along K, and Xᵀ (K, M) in 1x128 blocks along
-    M when `with_t` (wgrad's column-wise operand), in one pass where Triton runs."""
+    M when `with_t` (wgrad's column-wise operand), in one pass where Triton runs. The Triton path pads (zero rows of
+    q, zero columns of qt: see `triton_kernels.quantize_act`); GEMM callers slice their output to M rows."""
     if not _use_triton(x2d):
         return reference_act(x2d, pow2_scales, with_t)
     from .triton_kernels import quantize_act
@@ -53,8 +54,10 @@ def fast_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
 
 
 def reference_weight(w: torch.Tensor, block: tuple[int, int], pow2_scales: bool, name: str, check_finite: bool = True):
-    """`(q, scale_inv, None)`: the reference checks finiteness itself (raising with `name`) when asked."""
-    return (*quantize_blockwise(w, block, pow2_scales=pow2_scales, check_finite=check_finite, name=name), None)
+    """`(q, scale_inv, amax)`: with `check_finite` the reference raises itself, naming `name` (amax is None); without,
+    `amax` is W's absolute max (NaN and inf survive a max), for the caller to check when it syncs anyway."""
+    q, s = quantize_blockwise(w, block, pow2_scales=pow2_scales, check_finite=check_finite, name=name)
+    return q, s, None if check_finite else w.detach().abs().amax()
 
 
 def fast_weight(w: torch.Tensor, block: tuple[int, int], pow2_scales: bool, name: str, check_finite: bool = True):

@@ -1,10 +1,13 @@
 """The `torch` backend: PyTorch's native block-scaled FP8 GEMM, `torch.nn.functional.scaled_mm` with
 `BlockWise1x128` x `BlockWise128x128` (or `BlockWise1x128`) scales, on Hopper (SM90) with CUDA >= 12.9.
 
-Layout rules of the cuBLAS kernel behind it: `mat_b` is column-major (pass `B.t()` of a row-major B), 1x128 scales
-are (rows, K/128) and outer-dim-major (`s.t().contiguous().t()`), 128x128 scales are (N/128, K/128) padded to a
-multiple of 4 along K/128 and passed transposed; K is padded here to whole 128-blocks (zeros add nothing), and M
-to a multiple of 4. Quantization runs in the fused Triton kernels where Triton is installed.
+Layout rules of `F.scaled_mm`'s blockwise path (`_scaled_block1x128_block128x128` and `_block1x128_block1x128` in
+ATen's `ScaledBlas.cpp`): `mat_b` is column-major (`B.t()` of a row-major B); 1x128 scales are (rows, K/128) and
+outer-dim-major (strides (1, rows)); 128x128 scales are (round_up(K/128, 4), N/128) with strides (1, round_up(K/128,
+4)), i.e. a padded row-major (N/128, K/128) transposed; cuBLAS wants K in whole 128-blocks and M a multiple of 4.
+The fused Triton quantizers write activations in exactly this layout (rows padded to 4, Xᵀ to whole 128-token
+blocks) and `FP8Linear` caches the weight's, so `cublas_operands` copies nothing on the training path; anything else
+(the reference quantizer's output) is padded here.
 """
 
 import torch
@@ -33,15 +36,38 @@ def is_available(device: torch.device | None = None) -> tuple[bool, str]:
     return True, f"SM90 with CUDA {cuda}"
 
 
-def _pad_k(q: torch.Tensor, scale_inv: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad_k(q: torch.Tensor, block_k: int = 128) -> torch.Tensor:
     pad = -q.shape[-1] % block_k
-    if pad:
-        q = F.pad(q.view(torch.uint8), (0, pad)).view(q.dtype)
-    return q, scale_inv
+    return F.pad(q.view(torch.uint8), (0, pad)).view(q.dtype) if pad else q
 
 
 def _outer_dim_major(s: torch.Tensor) -> torch.Tensor:
-    return s.t().contiguous().t()
+    return s.t().contiguous().t()  # a no-op view when `s` already is
+
+
+def cublas_operands(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor, b_block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object, torch.Tensor, object]:
+    """`(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b)` for `F.scaled_mm` computing `A @ B.T` (A (M, K) in
+    1x128 blocks, B (N, K) in `b_block` blocks), padded only where the inputs miss the layout rules above. `mat_a`
+    may have more rows than A (zero padding): the GEMM's extra output rows are the caller's to drop."""
+    if tuple(b_block) not in ((128, 128), (1, 128)):
+        raise ValueError(
+            f"the torch backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}; use 'emulated'"
+        )
+    a, b = _pad_k(a.contiguous()), _pad_k(b.contiguous())
+    pad_m = -a.shape[0] % 4
+    if pad_m:
+        a = F.pad(a.view(torch.uint8), (0, 0, 0, pad_m)).view(a.dtype)
+        a_scale_inv = F.pad(a_scale_inv, (0, 0, 0, pad_m), value=1.0)
+    scale_a = _outer_dim_major(a_scale_inv.float())
+    if tuple(b_block) == (128, 128):
+        pad_kb = -b_scale_inv.shape[1] % 4
+        scale_b = F.pad(b_scale_inv.float(), (0, pad_kb), value=1.0) if pad_kb else b_scale_inv.float()
+        scale_b, recipe_b = scale_b.contiguous().t(), F.ScalingType.BlockWise128x128
+    else:
+        scale_b, recipe_b = _outer_dim_major(b_scale_inv.float()), F.ScalingType.BlockWise1x128
+    return a, b.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b
 
 
 def gemm(
@@ -53,24 +79,7 @@ def gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in `b_block` blocks along K -> (M, N) in `out_dtype`."""
-    if tuple(b_block) not in ((128, 128), (1, 128)):
-        raise ValueError(
-            f"the torch backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}; use 'emulated'"
-        )
     m = a.shape[0]
-    a, _ = _pad_k(a.contiguous(), a_scale_inv)
-    b, _ = _pad_k(b.contiguous(), b_scale_inv)
-    pad_m = -m % 4
-    if pad_m:
-        a = F.pad(a.view(torch.uint8), (0, 0, 0, pad_m)).view(a.dtype)
-        a_scale_inv = F.pad(a_scale_inv, (0, 0, 0, pad_m), value=1.0)
-    scale_a = _outer_dim_major(a_scale_inv.float())
-    if tuple(b_block) == (128, 128):
-        kb = b_scale_inv.shape[1]
-        scale_b = F.pad(b_scale_inv.float(), (0, -kb % 4), value=1.0).contiguous().t()
-        recipe_b = F.ScalingType.BlockWise128x128
-    else:
-        scale_b = _outer_dim_major(b_scale_inv.float())
-        recipe_b = F.ScalingType.BlockWise1x128
-    out = F.scaled_mm(a, b.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype)
+    mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, a_scale_inv, b, b_scale_inv, b_block)
+    out = F.scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=out_dtype)
     return out[:m]

@@ -44,7 +44,7 @@ def _cast(x, scale):
 @triton.jit
 def quant_act_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr,
-    M, K, stride_xm, stride_xk, stride_sm, stride_sk, stride_stk, stride_stm,
+    M, K, M_Q, M_T, stride_xm, stride_xk, stride_sm, stride_sk, stride_stk, stride_stm,
     POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # One program per 128x128 tile of X, walked in CHUNK-row slices so that few registers are live and many tiles
@@ -61,8 +61,10 @@ def quant_act_kernel(
         x = x.to(tl.float32)
         ax = tl.abs(x)
         scale_r = _scale(tl.max(ax, axis=1), POW2)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale_r[:, None]), mask=mask)
-        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M)
+        # Rows M..M_Q are the zero padding (codes 0, scale_inv 1) that cuBLAS's layout wants: loaded as 0 above.
+        q_mask = (rows[:, None] < M_Q) & (cols[None, :] < K)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale_r[:, None]), mask=q_mask)
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M_Q)
         amax_c = tl.maximum(amax_c, tl.max(ax, axis=0))
     tl.atomic_max(amax_ptr, tl.max(amax_c, axis=0))
     if WITH_T:
@@ -74,7 +76,9 @@ def quant_act_kernel(
             mask = (rows[:, None] < M) & (cols[None, :] < K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
             qt = tl.trans(_cast(x.to(tl.float32), scale_c[None, :]))
-            tl.store(qt_ptr + cols[:, None] * M + rows[None, :], qt, mask=(cols[:, None] < K) & (rows[None, :] < M))
+            # Xᵀ's rows are M_T = whole 128-blocks of tokens long, the padding zeros: wgrad's K needs no copy.
+            t_mask = (cols[:, None] < K) & (rows[None, :] < M_T)
+            tl.store(qt_ptr + cols[:, None] * M_T + rows[None, :], qt, mask=t_mask)
         tl.store(st_ptr + cols * stride_stk + pid_m * stride_stm, tl.math.div_rn(1.0, scale_c), mask=cols < K)
 
 
@@ -168,16 +172,21 @@ def _interpreting() -> bool:
 def quantize_act(
     x: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """X (M, K) -> `(q, scale_inv, qt, scale_inv_t, amax)`: X in 1x128 blocks along K, Xᵀ (K, M) in 1x128 blocks
-    along M (when `with_t`), and the amax of X as a 1-element tensor. Scales are (rows, blocks) fp32 stored
-    column-major, the layout block-scaled GEMMs want; their values equal `quantize_blockwise`'s."""
+    """X (M, K) -> `(q, scale_inv, qt, scale_inv_t, amax)`: X in 1x128 blocks along K, Xᵀ in 1x128 blocks along M
+    (when `with_t`), and the amax of X as a 1-element tensor. Values equal `quantize_blockwise`'s.
+
+    The layout is the one cuBLAS's blockwise kernel reads without a copy: scales are (rows, blocks) fp32 stored
+    column-major; q has M rounded up to a multiple of 4 rows and Xᵀ is (K, M rounded up to a multiple of 128), the
+    padding being zero codes with scale_inv 1. A GEMM's extra output rows are the caller's to drop; zero columns in
+    a contraction add nothing."""
     m, k = x.shape
     kb, mb = triton.cdiv(k, 128), triton.cdiv(m, 128)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty_strided((m, kb), (1, m), dtype=torch.float32, device=x.device)
+    m_q, m_t = -(-m // 4) * 4, mb * 128
+    q = torch.empty((m_q, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty_strided((m_q, kb), (1, m_q), dtype=torch.float32, device=x.device)
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     if with_t:
-        qt = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
+        qt = torch.empty((k, m_t), dtype=torch.float8_e4m3fn, device=x.device)
         st = torch.empty_strided((k, mb), (1, k), dtype=torch.float32, device=x.device)
     else:
         qt, st = q, s  # never written
@@ -190,6 +199,8 @@ def quantize_act(
         amax,
         m,
         k,
+        m_q,
+        m_t,
         x.stride(0),
         x.stride(1),
         s.stride(0),

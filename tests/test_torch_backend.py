@@ -1,0 +1,117 @@
+"""The `torch` backend's operands for `F.scaled_mm`, checked on CPU, where the blockwise kernel itself cannot run.
+
+`F.scaled_mm` refuses blockwise scales on CPU ("Invalid scaling configuration"), so these tests hold
+`cublas_operands` to the layout rules that ATen checks before calling cuBLAS (`_scaled_block1x128_block128x128` and
+`_scaled_block1x128_block1x128` in `aten/src/ATen/native/cuda/ScaledBlas.cpp`, restated below), compute the GEMM
+those operands describe, and check that on the training path (the fused quantizers' padded outputs, the weight's
+cached transposes) nothing is copied. The real kernel is run against `emulated` by the GPU tests in
+`tests/test_linear.py` and `benchmarks/gpu_bench.py`.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import sqnr_db, triton_marks
+
+from trl_fp8.quant import quantize_blockwise
+from trl_fp8.quant.backends import emulated
+from trl_fp8.quant.backends._quantize import fast_act, fast_weight
+from trl_fp8.quant.backends.torch_scaled_mm import cublas_operands
+
+
+pytestmark = pytest.mark.skipif(not hasattr(F, "ScalingType"), reason="torch without F.scaled_mm")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton(fn):
+    for mark in triton_marks():
+        fn = mark(fn)
+    return fn
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b):
+    """ATen's checks for `F.scaled_mm` with 1x128 A scales and 128x128 or 1x128 B scales (`mat_b` is (K, N)), plus
+    what cuBLAS needs of the shapes: K in whole 128-blocks, M a multiple of 4, A row-major and B column-major."""
+    m, k = mat_a.shape
+    n = mat_b.shape[1]
+    assert mat_b.shape[0] == k and k % 128 == 0 and m % 4 == 0
+    assert mat_a.stride(1) == 1 and mat_b.stride(0) == 1, "A row-major, B column-major"
+    assert recipe_a == F.ScalingType.BlockWise1x128
+    assert scale_a.dtype == scale_b.dtype == torch.float32
+    assert scale_a.shape == (m, k // 128) and scale_a.stride(0) == 1
+    assert scale_a.stride(1) == m or scale_a.shape[1] == 1
+    if recipe_b == F.ScalingType.BlockWise128x128:
+        kb4 = _round_up(k // 128, 4)
+        assert scale_b.shape == (kb4, _round_up(n, 128) // 128) and scale_b.stride(0) == 1
+        assert scale_b.stride(1) == kb4 or scale_b.shape[1] == 1
+    else:
+        assert recipe_b == F.ScalingType.BlockWise1x128
+        assert scale_b.shape == (n, k // 128) and scale_b.stride(0) == 1
+        assert scale_b.stride(1) == n or scale_b.shape[1] == 1
+
+
+def scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b) -> torch.Tensor:
+    """The product the operands describe, read through their layouts: A[i, k] * scale_a[i, k // 128] times
+    B[k, j] * scale_b[k // 128, j // 128] (128x128) or scale_b[j, k // 128] (1x128), summed in fp32."""
+    k = mat_a.shape[1]
+    a = mat_a.float() * scale_a.repeat_interleave(128, 1)[:, :k]
+    if recipe_b == F.ScalingType.BlockWise128x128:
+        s = scale_b[: k // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        b = mat_b.float() * s[:k, : mat_b.shape[1]]
+    else:
+        b = mat_b.float() * scale_b.t().repeat_interleave(128, 0)[:k]
+    return a @ b
+
+
+@pytest.mark.parametrize("m, k, n", [(130, 300, 144), (64, 512, 256), (3, 128, 384)])
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+def test_any_operands_are_padded_to_the_layout_and_keep_the_product(m, k, n, b_block):
+    torch.manual_seed(0)
+    a, sa = quantize_blockwise(torch.randn(m, k, device=DEVICE), (1, 128))
+    b, sb = quantize_blockwise(torch.randn(n, k, device=DEVICE), b_block)
+    mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, sa, b, sb, b_block)
+    assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b)
+    out = scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)
+    assert not out[m:].any()  # the padding rows, which the backend drops
+    assert sqnr_db(emulated.gemm(a, sa, b, sb, b_block, torch.float32), out[:m]) > 100
+
+
+def test_unsupported_weight_block_is_refused():
+    a, sa = quantize_blockwise(torch.randn(4, 128), (1, 128))
+    b, sb = quantize_blockwise(torch.randn(128, 128), (64, 64))
+    with pytest.raises(ValueError, match=r"128x128 or 1x128 blocks for B, got \(64, 64\); use 'emulated'"):
+        cublas_operands(a, sa, b, sb, (64, 64))
+
+
+def _no_copy(prepared, originals) -> bool:
+    return all(p.data_ptr() == o.data_ptr() for p, o in zip(prepared, originals, strict=True))
+
+
+@_triton
+@pytest.mark.parametrize("tokens", [130, 256])
+def test_training_path_operands_need_no_copy(tokens):
+    """fprop, dgrad and wgrad of a 512 -> 512 `FP8Linear`, with the operands exactly as `_FP8LinearFunction` passes
+    them: every tensor reaches `F.scaled_mm` as the quantizer or the weight cache made it, even at a token count
+    that is neither a multiple of 4 nor of 128 (RL batches rarely are). Only a weight dim that is not a multiple of
+    512 costs a copy, of its small scale tensor (cuBLAS pads that to 4 blocks)."""
+    torch.manual_seed(0)
+    w_q, w_s, _ = fast_weight(torch.randn(512, 512, device=DEVICE) * 0.02, (128, 128), False, "w")
+    # What `FP8Linear._quantized` caches on a GPU for dgrad (contiguous transposes, once per optimizer step).
+    w_qt, w_st = w_q.t().contiguous(), w_s.t().contiguous()
+    x_q, x_s, xt_q, xt_s = fast_act(torch.randn(tokens, 512, device=DEVICE), False, True)
+    dy_q, dy_s, dyt_q, dyt_s = fast_act(torch.randn(tokens, 512, device=DEVICE), False, True)
+    cases = {
+        "fprop": ((x_q, x_s, w_q, w_s), (128, 128)),
+        "dgrad": ((dy_q, dy_s, w_qt, w_st), (128, 128)),
+        "wgrad": ((dyt_q, dyt_s, xt_q, xt_s), (1, 128)),
+    }
+    for name, ((a, sa, b, sb), block) in cases.items():
+        mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, sa, b, sb, block)
+        assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b)
+        assert _no_copy((mat_a, mat_b, scale_a, scale_b), (a, b, sa, sb)), name
+        ref = emulated.gemm(a, sa, b, sb, block, torch.float32)
+        assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100, name
