@@ -221,3 +221,42 @@ def test_fp8_adds_no_host_sync_to_a_training_step(backend):
         return counter.count
 
     assert syncs(convert=True) == syncs(convert=False)
+
+
+def test_siblings_reading_one_input_share_its_quantization(monkeypatch):
+    """q, k and v read the same X: it is quantized once for the three (and their wgrads share one saved Xᵀ), with
+    outputs and gradients bit-identical to quantizing it three times; an in-place change of X re-quantizes."""
+    calls = []
+    original = emulated.quantize_act
+
+    def spy(x2d, pow2_scales, with_t):
+        calls.append(with_t)
+        return original(x2d, pow2_scales, with_t)
+
+    monkeypatch.setattr(emulated, "quantize_act", spy)
+    siblings = [make_layer(seed=seed)[1] for seed in range(3)]
+
+    def run(share: bool):
+        calls.clear()
+        x = torch.randn(2, 5, 384, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        outs = [m(x if share else x.clone()) for m in siblings]
+        sum(o.pow(2).sum() for o in outs).backward()
+        grads = [x.grad] + [p.grad.clone() for m in siblings for p in (m.weight, m.bias)]
+        for m in siblings:
+            m.zero_grad()
+        return outs, grads, list(calls)
+
+    shared_outs, shared_grads, shared_calls = run(share=True)
+    outs, grads, separate_calls = run(share=False)
+    assert shared_calls == [True] + [True] * 3  # X once, then dY per sibling in backward
+    assert separate_calls == [True] * 6
+    assert all(torch.equal(a, b) for a, b in zip(shared_outs + shared_grads, outs + grads, strict=True))
+
+    calls.clear()
+    x = torch.randn(4, 384)
+    with torch.no_grad():
+        siblings[0](x)
+        x.mul_(2)  # a new version of X: its old quantization must not be reused
+        second = siblings[1](x)
+        expected = siblings[1](x.clone())
+    assert calls == [False, False, False] and torch.equal(second, expected)

@@ -6,6 +6,8 @@ all reuse one quantization per optimizer step. Being an `nn.Linear` subclass tha
 `bias` Parameters, a swapped-in `FP8Linear` changes no parameter name, `state_dict` key or optimizer state.
 """
 
+import weakref
+
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -32,6 +34,30 @@ def weights_epoch() -> int:
     return _optimizer_steps
 
 
+class _SharedActivation:
+    """The last input quantized, and its quantization: q, k and v (gate and up) read one X, which is then quantized
+    once for the three, and the three wgrads share one saved Xᵀ (a kernel and an activation's memory saved per
+    sibling). Matched by identity and version counter, so an in-place change of X re-quantizes; held by weak
+    reference, so the entry goes when X does."""
+
+    entry: tuple | None = None
+
+    @classmethod
+    def quantize(cls, backend, x: torch.Tensor, x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
+        e = cls.entry
+        if e is not None and e[0]() is x and e[1:4] == (x._version, backend, pow2_scales) and (e[4] or not with_t):
+            return e[5]
+        out = backend.quantize_act(x2d, pow2_scales, with_t)
+        ref = weakref.ref(x, cls._forget)
+        cls.entry = (ref, x._version, backend, pow2_scales, with_t, out)
+        return out
+
+    @classmethod
+    def _forget(cls, ref: weakref.ref) -> None:
+        if cls.entry is not None and cls.entry[0] is ref:
+            cls.entry = None
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """Y = X · Wᵀ (+ b) with FP8 operands in all three GEMMs (M tokens, K = in_features, N = out_features):
 
@@ -52,8 +78,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         m = x2d.shape[0]
         # One pass makes both usages: X for fprop, Xᵀ for wgrad (only when a backward will want the weight's gradient:
         # not in the no-grad old-logprob and reference forwards, which `wgrad=False` marks).
-        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = backend.quantize_act(
-            x2d, pow2_scales, wgrad and weight.requires_grad
+        x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = _SharedActivation.quantize(
+            backend, x, x2d, pow2_scales, wgrad and weight.requires_grad
         )
         # [M, K] @ [K, N] -> [M, N]
         y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)[:m]
