@@ -6,7 +6,9 @@
 (a) block-FP8 GEMM TFLOP/s at Llama-3.1-8B shapes, (b) `FP8Linear` forward+backward with all its quantization,
 (c) quantize bandwidth as a share of a device-to-device copy, (d) a training step of a random Llama-3.2-1B-shaped model
 at 4096 tokens, tokens/s, (e) peak memory, (f) every fast path against the `emulated` oracle on the same inputs,
-(g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts.
+(g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts, (h) where (d)'s step time
+goes per precision: kernel time per category (GEMM, FP8 quantize, attention, optimizer, copies), GPU busy share,
+launches and host syncs per step, top kernels (and `profile_<first FP8 backend>.json.gz`, a Perfetto trace).
 Writes `gpu_bench.json` and `gpu_bench.md`. On a machine without an SM90 GPU the fast backend is `emulated` and the
 ratios mean nothing; `--smoke` exists to check the script itself there.
 """
@@ -21,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from step_profile import BENCH_SYNC, profile_markdown, profile_summary  # benchmarks/, on sys.path when run as a script
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -151,24 +154,40 @@ def bench_quantize(device, m, k, iters):
     return rows
 
 
+_BASE_MODEL: dict[str, nn.Module] = {}
+
+
+def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: int):
+    """`(model, optimizer, step, losses)` of the training step (d) times and (h) profiles, for `label` ("bf16" or an
+    FP8 backend); every label starts from the same random weights and tokens."""
+    key = config.to_json_string()
+    if key not in _BASE_MODEL:
+        # A 1B model's random init on the CPU takes tens of seconds: once per run, not per precision and section.
+        _BASE_MODEL.clear()
+        torch.manual_seed(0)
+        _BASE_MODEL[key] = LlamaForCausalLM(config).to(dtype=torch.bfloat16)
+    model = copy.deepcopy(_BASE_MODEL[key]).to(device)
+    if label != "bf16":
+        convert_to_fp8(model, FP8Recipe(backend=label))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
+    losses = []
+
+    def step():
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    return model, opt, step, losses
+
+
 def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iters):
     out = {}
     for label in ("bf16", *backends):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
-        if label != "bf16":
-            convert_to_fp8(model, FP8Recipe(backend=label))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
-        losses = []
-
-        def step(model=model, opt=opt, ids=ids, losses=losses):
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-
+        model, opt, step, losses = train_setup(device, label, config, seq_len, batch)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -176,10 +195,63 @@ def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iter
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         out[label] = dict(tokens_per_s=batch * seq_len / t, step_ms=t * 1e3, peak_memory_gib=peak,
                           losses=[round(float(v), 4) for v in losses])  # fmt: skip
-        del model, opt
+        del model, opt, step
     for label in backends:
         out[label]["ratio"] = out[label]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
     out["shape"] = f"{batch} x {seq_len} tokens per step"
+    return out
+
+
+def bench_profile(device, backends, config: LlamaConfig, seq_len, batch, trace_dir: Path | None = None, steps=2):
+    """(h) Where (d)'s training step spends its time, per precision: `profile_summary` of `steps` profiled steps
+    after two warm-up steps (and two timed without the profiler, whose own overhead the profiled wall time holds)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    on_device = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+
+    def sync():
+        if on_device:
+            with record_function(BENCH_SYNC):
+                torch.cuda.synchronize()
+
+    def profile_one(label):
+        model, opt, step, _ = train_setup(device, label, config, seq_len, batch)
+        unprofiled = timed(step, device, warmup=2, iters=2)
+        # Stacks only on CPU: there they tell the emulated quantization's aten ops from the rest; on a GPU our kernels
+        # carry their own names, and the Python tracer would inflate the host time this measures.
+        with profile(activities=activities, with_stack=not on_device) as prof:
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            wall = time.perf_counter() - start
+        del model, opt, step
+        result = profile_summary(prof.events(), steps, wall, on_device)
+        result["step_ms_unprofiled"] = unprofiled * 1e3
+        if trace_dir is not None and label == next(iter(backends), None):
+            # One FP8 trace to open in Perfetto when the categories are not enough; dropped when it is too big.
+            path = trace_dir / f"profile_{label}.json.gz"
+            try:
+                prof.export_chrome_trace(str(path))
+                size = path.stat().st_size
+                result["trace"] = path.name if size < 20 * 2**20 else f"dropped: {size / 2**20:.0f} MiB"
+                if size >= 20 * 2**20:
+                    path.unlink()
+            except Exception as err:  # the figures above matter more than the trace
+                result["trace"] = f"failed: {err!r}"[:200]
+        return result
+
+    out = dict(shape=f"{batch} x {seq_len} tokens per step, {steps} steps profiled after 2 warm-up steps")
+    for label in ("bf16", *backends):
+        try:
+            out[label] = profile_one(label)
+        except Exception:  # one broken precision must not cost the others' profiles
+            out[label] = dict(error=traceback.format_exc()[-2000:])
+            print(out[label]["error"], flush=True)
+        if on_device:
+            torch.cuda.empty_cache()
     return out
 
 
@@ -291,12 +363,32 @@ def markdown(results) -> str:
                 f"{a} {b:.2f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items() if a != "ms"
             )
             lines.append(f"| {k} | {v.get('ms', float('nan')):.2f} | {notes} |")
+    if "profile" in results:
+        lines += profile_markdown(results["profile"])
+        bound = step_bound(results)
+        if bound:
+            lines += ["", bound]
     if "targets_met" in results:
         lines += [
             "",
             "Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in results["targets_met"].items()),
         ]
     return "\n".join(lines) + "\n"
+
+
+def step_bound(results) -> str | None:
+    """Amdahl's bound on (d): BF16's GEMM share of the step (lm_head's included, so an over-estimate) sped up by
+    (a)'s best FP8 GEMM ratio, quantization free, everything else unchanged."""
+    bf16 = results["profile"].get("bf16", {})
+    gemm_rows = results.get("gemm") or []
+    ratios = [r[n]["ratio"] for r in gemm_rows for n in results["backends"] if n in r]
+    if "categories" not in bf16 or not ratios:
+        return None
+    share, best = bf16["categories"]["gemm"]["share"], max(ratios)
+    return (
+        f"Bound on (d): GEMMs are {share:.0%} of the BF16 step; at (a)'s best FP8 ratio ({best:.2f}x) with free "
+        f"quantization the step could reach at most {1 / (1 - share + share / best):.2f}x."
+    )
 
 
 def targets(results) -> dict[str, bool]:
@@ -357,6 +449,8 @@ def main():
         ("linear", lambda: bench_linear(device, backends, m_lin, shapes, iters)),
         ("quantize", lambda: bench_quantize(device, ms[0], shapes[0][0], iters)),
         ("train_step", lambda: bench_train_step(device, backends, config, seq, batch, max(2, iters // 2))),
+        # Same model and batch as train_step: 4 x 4096 tokens trace as few kernels as 1 x 4096, just longer ones.
+        ("profile", lambda: bench_profile(device, backends, config, seq, batch, out)),
         ("moe", lambda: bench_moe(device, 256 if args.smoke else 8192, iters, args.smoke)),
         # One sequence per step: small GEMMs, where per-kernel overheads show.
         ("train_step_1seq", lambda: bench_train_step(device, dict(list(backends.items())[:1]), config, seq, 1, 4)),

@@ -201,14 +201,15 @@ def test_fp8_adds_no_host_sync_to_a_training_step(backend):
     """The first H200 run lost more than half of the FP8 step to one host sync per layer (the weight's NaN check).
     Counted at dispatch, which sees the same ops on CPU: a training step (forward, backward, optimizer step, so
     every weight is quantized anew) of the FP8 model performs exactly the host syncs of the BF16 model."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels run compiled there
 
     def syncs(convert: bool) -> int:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1)))
+        model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))).to(device)
         if convert:
             convert_to_fp8(model, FP8Recipe(backend=backend))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 160, (1, 9))
+        ids = torch.randint(0, 160, (1, 9), device=device)
 
         def step():
             model(ids, labels=ids).loss.backward()
