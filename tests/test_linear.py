@@ -261,3 +261,14 @@ def test_siblings_reading_one_input_share_its_quantization(monkeypatch):
         second = siblings[1](x)
         expected = siblings[1](x.clone())
     assert calls == [False, False, False] and torch.equal(second, expected)
+
+
+def test_inference_mode_forward():
+    """Tensors made under `torch.inference_mode()` (TRL scores reward models so) keep no version counter: the
+    shared-quantization match must not ask for one."""
+    _, fp8 = make_layer()
+    x = torch.randn(3, 384)
+    with torch.inference_mode():
+        y = fp8(x * 1)
+        y2 = fp8(x * 1)
+    assert torch.equal(y, y2) and torch.equal(y, fp8(x).detach())

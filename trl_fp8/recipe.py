@@ -38,6 +38,11 @@ class FP8Recipe(PushToHubMixin):
         modules_to_not_convert (`list[str]`, *optional*, defaults to `[]`):
             Module name patterns kept in high precision: a pattern matches a module whose qualified name equals it,
             ends with `.pattern`, or contains it as a dotted component run (`"mlp.down_proj"`); `*` and `?` glob.
+        fuse_siblings (`bool`, *optional*, defaults to `True`):
+            Run linears that read one input (q/k/v, gate/up) as one stacked FP8 GEMM per pass, as Megatron's fused
+            `linear_qkv` / `linear_fc1` do (`trl_fp8.quant.siblings`). Names, Parameters, checkpoints and the sync
+            stream are unchanged, and so is every quantization; `False` runs each linear alone. Not used by the
+            `te` backend.
     """
 
     weight_block_size: list[int] = field(default_factory=lambda: [128, 128])
@@ -47,6 +52,7 @@ class FP8Recipe(PushToHubMixin):
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     modules_to_not_convert: list[str] = field(default_factory=list)
+    fuse_siblings: bool = True
 
     def __post_init__(self):
         from .quant.backends import BACKEND_NAMES
@@ -72,8 +78,9 @@ class FP8Recipe(PushToHubMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"FP8Recipe.{name} must be a non-negative int, got {value!r}")
-        if not isinstance(self.pow2_scales, bool):
-            raise ValueError(f"FP8Recipe.pow2_scales must be a bool, got {self.pow2_scales!r}")
+        for name in ("pow2_scales", "fuse_siblings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FP8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
         if not all(isinstance(p, str) and p for p in self.modules_to_not_convert):
             raise ValueError(
                 f"FP8Recipe.modules_to_not_convert must be non-empty strings, got {self.modules_to_not_convert}"

@@ -101,7 +101,8 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
     Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
     Converting an already converted model is a no-op for the modules already in FP8. With `backend="te"` (or
     `"auto"` on a GPU where TransformerEngine runs the recipe), the linears become TransformerEngine linears
-    instead (weights copied, names unchanged); fused MoE experts always use `FP8Experts`.
+    instead (weights copied, names unchanged); fused MoE experts always use `FP8Experts`. With the recipe's
+    `fuse_siblings`, q/k/v and gate/up then run as one stacked GEMM each (`trl_fp8.quant.siblings`).
     """
     from ..recipe import FP8Recipe
     from .moe import FP8Experts
@@ -143,6 +144,10 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             backend = "auto" if recipe.backend == "te" else recipe.backend
             kwargs = dict(backend=backend, pow2_scales=recipe.pow2_scales, name=name)
             setattr(parent, child, FP8Experts(module, **kwargs))
+    if recipe.fuse_siblings:
+        from .siblings import group_siblings
+
+        group_siblings(model)
     model.fp8_recipe = recipe
     return model
 

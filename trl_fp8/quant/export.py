@@ -136,7 +136,8 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     kept = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in fp8_modules]
     os.makedirs(save_directory, exist_ok=True)
     save_file(
-        {n: t.contiguous().cpu() for n, t in tensors.items()},
+        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
+        {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()},
         os.path.join(save_directory, "model.safetensors"),
         metadata={"format": "pt"},
     )

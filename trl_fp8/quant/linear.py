@@ -34,6 +34,11 @@ def weights_epoch() -> int:
     return _optimizer_steps
 
 
+def version_of(x: torch.Tensor) -> int | None:
+    """`x`'s version counter, or None for a tensor made under `torch.inference_mode()`, which keeps none."""
+    return None if x.is_inference() else x._version
+
+
 class _SharedActivation:
     """The last input quantized, and its quantization: q, k and v (gate and up) read one X, which is then quantized
     once for the three, and the three wgrads share one saved Xᵀ (a kernel and an activation's memory saved per
@@ -44,12 +49,14 @@ class _SharedActivation:
 
     @classmethod
     def quantize(cls, backend, x: torch.Tensor, x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
-        e = cls.entry
-        if e is not None and e[0]() is x and e[1:4] == (x._version, backend, pow2_scales) and (e[4] or not with_t):
+        e, version = cls.entry, version_of(x)
+        # Nothing to match by, or outputs that autograd must never save (made in inference mode): quantized alone.
+        if version is None or torch.is_inference_mode_enabled():
+            return backend.quantize_act(x2d, pow2_scales, with_t)
+        if e is not None and e[0]() is x and e[1:4] == (version, backend, pow2_scales) and (e[4] or not with_t):
             return e[5]
         out = backend.quantize_act(x2d, pow2_scales, with_t)
-        ref = weakref.ref(x, cls._forget)
-        cls.entry = (ref, x._version, backend, pow2_scales, with_t, out)
+        cls.entry = (weakref.ref(x, cls._forget), version, backend, pow2_scales, with_t, out)
         return out
 
     @classmethod
@@ -146,6 +153,8 @@ class FP8Linear(nn.Linear):
         self.fp8_name = "weight"
         self._w_cache: tuple | None = None
         self._backends: dict[torch.device, object] = {}
+        # Set by `trl_fp8.quant.siblings.FP8SiblingGroup` when this linear runs stacked with its siblings (q/k/v).
+        self._siblings, self._sibling_index = None, 0
 
     @classmethod
     def from_linear(
@@ -189,6 +198,7 @@ class FP8Linear(nn.Linear):
         return q, s
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # a cache filled in inference mode would hold tensors autograd cannot save
     def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`; the transposes are dgrad's operands
         (contiguous on GPUs, whose FP8 MMA reads both operands K-major: made once per step, not once per backward).
@@ -196,6 +206,8 @@ class FP8Linear(nn.Linear):
         A forward never waits on the host for the NaN/inf check (a sync per layer would stall the GPU between
         layers): the quantizer hands back the amax, checked at the next `quantized_weight()`, which every sampler
         sync and the export call, so a non-finite weight never reaches the sampler."""
+        if self._siblings is not None:
+            return self._siblings.member_weight(self._sibling_index, check_finite)
         w = self.weight
         key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
         if self._w_cache is None or self._w_cache[0] != key:
@@ -217,6 +229,8 @@ class FP8Linear(nn.Linear):
         return self._backends[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._siblings is not None:
+            return self._siblings.forward(self, x)
         w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = self._quantized(check_finite=False)
         return _FP8LinearFunction.apply(
             x,

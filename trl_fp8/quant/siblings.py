@@ -1,0 +1,185 @@
+"""Sibling linears, which read one input (attention's q/k/v, a gated MLP's gate/up), as one FP8 GEMM per pass.
+
+transformers' Llama and Qwen keep q, k and v (gate and up) as separate linears; Megatron, where NeMo RL's FP8 figures
+come from, fuses them (`linear_qkv`, `linear_fc1`), and TransformerEngine offers the same (`fuse_qkv_params`). One
+GEMM over the stacked weights replaces three, each of whose small N (k and v have 1/4 to 1/8 of q's rows under GQA)
+would run the tensor cores below their rate, and the backward quantizes the siblings' output gradients once and runs
+one dgrad instead of three plus two additions.
+
+Nothing else changes: each sibling keeps its Parameters, name, `state_dict` key and optimizer state, and exports its
+own rows of the stacked FP8 weight. Every sibling's rows are whole 128-row blocks (conversion requires it), so no
+weight, activation or gradient block straddles two siblings and every quantization is the one each linear would
+have made alone (the tests hold the two paths together). A sibling called with another input (or grad mode, or
+version of it) than its siblings' pending outputs were computed for runs the stacked GEMM anew: any call order stays
+correct, and causal LMs call q, k, v (gate, up) on one tensor in a row.
+"""
+
+import itertools
+import weakref
+
+import torch
+
+from .blockwise import _raise_nonfinite
+from .linear import FP8Linear, _SharedActivation, version_of, weights_epoch
+
+
+SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+class _FP8SiblingsFunction(torch.autograd.Function):
+    """Y = X · Wᵀ (+ b) for the siblings' stacked weights W = [W_1; ...; W_n] (M tokens, K in, N = Σ N_i out):
+
+    - fprop: Y[M, N]       = X[M, K] · W[N, K]ᵀ        X in 1x128 blocks along K, W in 128x128 blocks
+    - dgrad: dX[M, K]      = dY[M, N] · W[N, K]        dY (the siblings' output gradients side by side) in 1x128
+      blocks along N, quantized once; W's FP8 bits and scales transposed, cached per step
+    - wgrad: dW_i[N_i, K]  = dY_iᵀ[N_i, M] · X[M, K]   per sibling, on its rows of the one dYᵀ quantization and the
+      shared Xᵀ, both in 1x128 blocks along M (fresh tensors: each Parameter's gradient is its own)
+
+    Every GEMM accumulates in fp32; biases and their gradients stay in high precision.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, wgrad, *params):
+        n = len(group.members)
+        weights, biases = params[:n], params[n:]
+        backend = group.backend(x.device)
+        x2d = x.reshape(-1, x.shape[-1])
+        m = x2d.shape[0]
+        want_t = wgrad and any(w.requires_grad for w in weights)
+        x_fp8, x_s, xt_fp8, xt_s = _SharedActivation.quantize(backend, x, x2d, group.pow2_scales, want_t)
+        w_fp8, w_s, w_fp8_t, w_s_t = group.quantized(check_finite=False)
+        y = backend.gemm(x_fp8, x_s, w_fp8, w_s, (128, 128), x.dtype)[:m]
+        if any(b is not None for b in biases):
+            stacked = [b if b is not None else y.new_zeros(w.shape[0]) for b, w in zip(biases, weights, strict=True)]
+            y = y + torch.cat(stacked).to(y.dtype)
+        ctx.save_for_backward(w_fp8_t, w_s_t, xt_fp8, xt_s)
+        ctx.group, ctx.backend, ctx.x_shape, ctx.x_dtype = group, backend, x.shape, x.dtype
+        ctx.w_dtypes = [w.dtype for w in weights]
+        ctx.has_bias = [b is not None for b in biases]
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_fp8_t, w_s_t, xt_fp8, xt_s = ctx.saved_tensors
+        group, backend, n = ctx.group, ctx.backend, len(ctx.group.members)
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        m = dy2d.shape[0]
+        needs_w = ctx.needs_input_grad[3 : 3 + n]
+        dy_fp8, dy_s, dyt_fp8, dyt_s = backend.quantize_act(dy2d, group.pow2_scales, any(needs_w))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = backend.gemm(dy_fp8, dy_s, w_fp8_t, w_s_t, (128, 128), ctx.x_dtype)[:m].reshape(ctx.x_shape)
+        dws, dbs = [None] * n, [None] * n
+        for i, (r0, r1) in enumerate(group.rows):
+            if needs_w[i]:
+                dws[i] = backend.gemm(dyt_fp8[r0:r1], dyt_s[r0:r1], xt_fp8, xt_s, (1, 128), ctx.w_dtypes[i])
+            if ctx.has_bias[i] and ctx.needs_input_grad[3 + n + i]:
+                dbs[i] = dy2d[:, r0:r1].sum(0)
+        return dx, None, None, *dws, *dbs
+
+
+class FP8SiblingGroup:
+    """`FP8Linear`s that read one input, run as one GEMM per pass (see the module docstring). Each member holds the
+    group (`FP8Linear._siblings`) and asks it for its output and its quantized weight."""
+
+    def __init__(self, members: list[FP8Linear]):
+        first = members[0]
+        for m in members:
+            if (m.in_features, m.pow2_scales, m.backend, m.weight_block_size) != (
+                first.in_features,
+                first.pow2_scales,
+                first.backend,
+                first.weight_block_size,
+            ) or m.weight_block_size != (128, 128):
+                raise ValueError(f"{m.fp8_name} cannot join {first.fp8_name}'s sibling group: its recipe differs")
+            if m.out_features % 128:
+                raise ValueError(f"{m.fp8_name} has {m.out_features} rows, not whole 128-row blocks")
+        self.members = list(members)
+        self.pow2_scales = first.pow2_scales
+        ends = list(itertools.accumulate(m.out_features for m in members))
+        self.rows = list(zip([0, *ends[:-1]], ends, strict=True))
+        self._cache: tuple | None = None
+        self._pending: tuple | None = None
+        for i, m in enumerate(members):
+            m._siblings, m._sibling_index = self, i
+
+    def __getstate__(self):
+        # Copies (TRL's reference model is a deepcopy) start without caches or outputs waiting for a sibling.
+        return {**self.__dict__, "_cache": None, "_pending": None}
+
+    def backend(self, device: torch.device):
+        return self.members[0]._backend_for(device)
+
+    @torch.no_grad()
+    @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
+    def quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked `(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`, quantized once per step
+        (the members' own cache keys), with `FP8Linear`'s deferred NaN/inf check."""
+        ws = [m.weight for m in self.members]
+        key = tuple((weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype) for w in ws) + (self.pow2_scales,)
+        if self._cache is None or self._cache[0] != key:
+            w = torch.cat([w.detach() for w in ws])
+            backend = self.backend(w.device)
+            names = "+".join(m.fp8_name for m in self.members)
+            q, s, amax = backend.quantize_weight(w, (128, 128), self.pow2_scales, names, check_finite=False)
+            contiguous = w.is_cuda and any(w.requires_grad for w in ws)
+            qt, st = (q.t().contiguous(), s.t().contiguous()) if contiguous else (q.t(), s.t())
+            self._cache = (key, q, s, qt, st, amax)
+        if check_finite and self._cache[5] is not None:
+            if not bool(torch.isfinite(self._cache[5]).all()):
+                for m in self.members:  # name the culprit, not the stack
+                    if not bool(torch.isfinite(m.weight).all()):
+                        _raise_nonfinite(m.weight, m.fp8_name)
+            self._cache = (*self._cache[:5], None)
+        return self._cache[1:5]
+
+    def member_weight(self, i: int, check_finite: bool) -> tuple[torch.Tensor, ...]:
+        """Member `i`'s rows of `quantized()`: `(q, s, qᵀ, sᵀ)` views, the blocks it would have quantized alone."""
+        q, s, qt, st = self.quantized(check_finite)
+        (r0, r1), b0, b1 = self.rows[i], self.rows[i][0] // 128, self.rows[i][1] // 128
+        return q[r0:r1], s[b0:b1], qt[:, r0:r1], st[:, b0:b1]
+
+    def forward(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+        """`member(x)`: the stacked GEMM's output for it, computed with its siblings' on the first of their calls."""
+        i, p = member._sibling_index, self._pending
+        mode = (version_of(x), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if p is not None and mode[0] is not None and p[0]() is x and p[1] == mode and i in p[2]:
+            out = p[2].pop(i)
+            if not p[2]:
+                self._pending = None
+            return out
+        params = [m.weight for m in self.members] + [m.bias for m in self.members]
+        y = _FP8SiblingsFunction.apply(x, self, torch.is_grad_enabled(), *params)
+        outs = torch.split(y, [r1 - r0 for r0, r1 in self.rows], dim=-1)
+        rest = {j: o for j, o in enumerate(outs) if j != i}
+        # An inference tensor keeps no version to match by: its siblings recompute (rare: TRL's policy passes use
+        # no_grad).
+        self._pending = (weakref.ref(x, self._forget), mode, rest) if mode[0] is not None else None
+        return outs[i]
+
+    def _forget(self, ref: weakref.ref) -> None:
+        if self._pending is not None and self._pending[0] is ref:
+            self._pending = None
+
+
+def group_siblings(model: torch.nn.Module) -> list[FP8SiblingGroup]:
+    """Groups the `FP8Linear` children of each module that form (part of) a `SIBLING_SETS` entry with one recipe;
+    returns the new groups. Members already grouped are left alone."""
+    groups = []
+    for module in model.modules():
+        for names in SIBLING_SETS:
+            members = [getattr(module, n, None) for n in names]
+            members = [m for m in members if type(m) is FP8Linear and m._siblings is None]
+            if len(members) < 2:
+                continue
+            first = members[0]
+            same = [
+                m
+                for m in members
+                if (m.in_features, m.pow2_scales, m.backend, m.weight_block_size, m.weight.device, m.weight.dtype)
+                == (first.in_features, first.pow2_scales, first.backend, (128, 128), first.weight.device,
+                    first.weight.dtype)
+            ]  # fmt: skip
+            if len(same) >= 2:
+                groups.append(FP8SiblingGroup(same))
+    return groups
