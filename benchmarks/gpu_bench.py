@@ -158,8 +158,9 @@ _BASE_MODEL: dict[str, nn.Module] = {}
 
 
 def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: int):
-    """`(model, optimizer, step, losses)` of the training step (d) times and (h) profiles, for `label` ("bf16" or an
-    FP8 backend); every label starts from the same random weights and tokens."""
+    """`(model, optimizer, step, losses)` of the training step (d) times and (h) profiles, for `label` ("bf16", an
+    FP8 backend, or "<backend> unfused": q/k/v and gate/up run alone); every label starts from the same random
+    weights and tokens."""
     key = config.to_json_string()
     if key not in _BASE_MODEL:
         # A 1B model's random init on the CPU takes tens of seconds: once per run, not per precision and section.
@@ -168,7 +169,8 @@ def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: in
         _BASE_MODEL[key] = LlamaForCausalLM(config).to(dtype=torch.bfloat16)
     model = copy.deepcopy(_BASE_MODEL[key]).to(device)
     if label != "bf16":
-        convert_to_fp8(model, FP8Recipe(backend=label))
+        backend, _, variant = label.partition(" ")
+        convert_to_fp8(model, FP8Recipe(backend=backend, fuse_siblings=variant != "unfused"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
@@ -184,9 +186,11 @@ def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: in
     return model, opt, step, losses
 
 
-def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iters):
+def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iters, unfused=False):
     out = {}
-    for label in ("bf16", *backends):
+    # `unfused`: the first backend once more with its sibling linears alone, to show what stacking them gives.
+    extra = [f"{next(iter(backends))} unfused"] if unfused and backends and "te" not in backends else []
+    for label in ("bf16", *backends, *extra):
         model, opt, step, losses = train_setup(device, label, config, seq_len, batch)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -196,7 +200,7 @@ def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iter
         out[label] = dict(tokens_per_s=batch * seq_len / t, step_ms=t * 1e3, peak_memory_gib=peak,
                           losses=[round(float(v), 4) for v in losses])  # fmt: skip
         del model, opt, step
-    for label in backends:
+    for label in (*backends, *extra):
         out[label]["ratio"] = out[label]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
     out["shape"] = f"{batch} x {seq_len} tokens per step"
     return out
@@ -448,7 +452,7 @@ def main():
         ("gemm", lambda: bench_gemm(device, gemm_backends, ms, shapes, iters)),
         ("linear", lambda: bench_linear(device, backends, m_lin, shapes, iters)),
         ("quantize", lambda: bench_quantize(device, ms[0], shapes[0][0], iters)),
-        ("train_step", lambda: bench_train_step(device, backends, config, seq, batch, max(2, iters // 2))),
+        ("train_step", lambda: bench_train_step(device, backends, config, seq, batch, max(2, iters // 2), True)),
         # Same model and batch as train_step: 4 x 4096 tokens trace as few kernels as 1 x 4096, just longer ones.
         ("profile", lambda: bench_profile(device, backends, config, seq, batch, out)),
         ("moe", lambda: bench_moe(device, 256 if args.smoke else 8192, iters, args.smoke)),

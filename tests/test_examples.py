@@ -96,3 +96,5 @@ def test_gpu_bench_smoke(tmp_path):
     assert "(h) where a training step's time goes" in md
     assert f"| category | {' | '.join(['bf16', *report['backends']])} |" in md
     assert "Bound on (d): GEMMs are" in md
+    first = report["backends"][0]
+    assert report["train_step"][f"{first} unfused"]["ratio"] > 0  # what stacking the sibling linears gives
