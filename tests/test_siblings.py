@@ -127,3 +127,19 @@ def test_stacked_siblings_on_the_triton_kernels(arch):
     loss_a, grads_a = _step(alone, ids)
     assert sqnr_db(loss_a, loss_f) > 90
     assert min(sqnr_db(grads_a[n], grads_f[n]) for n in grads_a) > 50
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_recomputes_stacked_siblings(reentrant):
+    """The GPU recipes train with gradient checkpointing: the recomputed forward (other input tensors, grad mode
+    on) must stack the siblings again and give the gradients of a plain backward."""
+    fused, _ = _pair("qwen2", num_hidden_layers=2)
+    checkpointed = copy.deepcopy(fused)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed.train()
+    fused.train()
+    ids = torch.randint(0, 160, (2, 9), generator=torch.Generator().manual_seed(2))
+    loss, grads = _step(fused, ids)
+    loss_c, grads_c = _step(checkpointed, ids)
+    assert torch.equal(loss, loss_c) and grads.keys() == grads_c.keys()
+    assert all(torch.equal(grads[n], grads_c[n]) for n in grads)
