@@ -143,3 +143,14 @@ def test_gradient_checkpointing_recomputes_stacked_siblings(reentrant):
     loss_c, grads_c = _step(checkpointed, ids)
     assert torch.equal(loss, loss_c) and grads.keys() == grads_c.keys()
     assert all(torch.equal(grads[n], grads_c[n]) for n in grads)
+
+
+def test_pending_outputs_go_stale_with_the_weights():
+    fused, alone = _pair("llama", num_hidden_layers=1)
+    attn_f, attn_a = fused.model.layers[0].self_attn, alone.model.layers[0].self_attn
+    x = torch.randn(1, 3, 256)
+    with torch.no_grad():
+        attn_f.q_proj(x)  # k and v outputs now wait for their calls
+        for attn in (attn_f, attn_a):
+            attn.k_proj.weight.mul_(-1)
+        assert sqnr_db(attn_a.k_proj(x), attn_f.k_proj(x)) > 100

@@ -142,7 +142,10 @@ class FP8SiblingGroup:
     def forward(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """`member(x)`: the stacked GEMM's output for it, computed with its siblings' on the first of their calls."""
         i, p = member._sibling_index, self._pending
-        mode = (version_of(x), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        # Pending outputs fit only the very same input, grad mode and weights (an optimizer step in between, or an
+        # in-place write to a weight, makes them stale).
+        weights = (weights_epoch(), *(m.weight._version for m in self.members))
+        mode = (version_of(x), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), weights)
         if p is not None and mode[0] is not None and p[0]() is x and p[1] == mode and i in p[2]:
             out = p[2].pop(i)
             if not p[2]:
