@@ -15,6 +15,7 @@ ratios mean nothing; `--smoke` exists to check the script itself there.
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import time
@@ -32,6 +33,7 @@ from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import BACKENDS, emulated, resolve_backend
 from trl_fp8.quant.backends._quantize import fast_act, fast_weight, triton_status
+from trl_fp8.quant.linear import _SharedActivation
 from trl_fp8.quant.moe import FP8Experts
 from trl_fp8.quant.te_linear import te_linear_class, te_status
 
@@ -99,8 +101,10 @@ def bench_linear(device, backends, m, shapes, iters):
             module(x).backward(dy)
 
         def fp8_step(module):
-            # The timed steps change no weight, so the weight cache would hold: drop it, as an optimizer step does.
+            # The timed steps change neither the weight nor X, so both quantizations would be reused: drop them, as
+            # an optimizer step and a new batch do.
             module._w_cache = None
+            _SharedActivation.entry = None
             step(module)
 
         t_bf16 = timed(lambda: step(lin), device, iters=iters)  # noqa: B023
@@ -114,8 +118,8 @@ def bench_linear(device, backends, m, shapes, iters):
             else:
                 fp8 = FP8Linear.from_linear(lin, backend=name)
             t = timed(lambda: fp8_step(fp8), device, iters=iters)  # noqa: B023
-            # Micro-batches after the first of an optimizer step reuse the quantized weight.
-            t_cached = timed(lambda: step(fp8), device, iters=iters)  # noqa: B023
+            # Micro-batches after the first of an optimizer step reuse the quantized weight (X is new each time).
+            t_cached = timed(lambda: (setattr(_SharedActivation, "entry", None), step(fp8)), device, iters=iters)  # noqa: B023
             step(fp8)
             row[name] = dict(ms=t * 1e3, ratio=t_bf16 / t, ratio_weight_cached=t_bf16 / t_cached,
                              dgrad_sqnr_vs_emulated_db=sqnr(dx_ref, x.grad),
@@ -189,10 +193,11 @@ def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: in
 def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iters, unfused=False):
     out = {}
     # `unfused`: the first backend once more with its sibling linears alone, to show what stacking them gives.
-    extra = [f"{next(iter(backends))} unfused"] if unfused and backends and "te" not in backends else []
+    extra = [f"{next(iter(backends))} unfused"] if unfused and backends and next(iter(backends)) != "te" else []
     for label in ("bf16", *backends, *extra):
         model, opt, step, losses = train_setup(device, label, config, seq_len, batch)
         if device.type == "cuda":
+            gc.collect()  # the previous precision's model must be gone before (e) is measured
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t = timed(step, device, warmup=2, iters=iters)
@@ -255,6 +260,7 @@ def bench_profile(device, backends, config: LlamaConfig, seq_len, batch, trace_d
             out[label] = dict(error=traceback.format_exc()[-2000:])
             print(out[label]["error"], flush=True)
         if on_device:
+            gc.collect()
             torch.cuda.empty_cache()
     return out
 

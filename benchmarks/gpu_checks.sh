@@ -14,6 +14,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/env.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs \
   tests/test_triton_kernels.py tests/test_moe_grouped.py tests/test_linear.py tests/test_torch_backend.py \
-  tests/test_blockwise.py tests/test_te_backend.py \
+  tests/test_siblings.py tests/test_blockwise.py tests/test_te_backend.py \
   2>&1 | tee "$out/pytest.log" | tail -30
 timeout 420 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 330 "$@" 2>&1 | tee "$out/bench.log" | tail -80

@@ -1,5 +1,7 @@
 """Mixture-of-Experts in FP8 on tiny Qwen3-MoE and DeepSeek-V3-style models built in-process (4 experts, top-2)."""
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_grpo_args
@@ -96,3 +98,12 @@ def test_fp8_grpo_trains_moe_end_to_end(tmp_path, demo_tokenizer, build, recipe)
     assert all(0.0 <= log["fp8/router_mismatch"] <= 1.0 for log in logs)
     for n, p in trainer.model.named_parameters():
         assert not torch.equal(p, before[n]), f"parameter {n} did not change"
+
+
+def test_converted_moe_deep_copies_after_a_forward():
+    """TRL and users deep-copy policies (a reference model, an EMA): the resolved backends and caches must not
+    make a converted model uncopyable."""
+    model = convert_to_fp8(qwen3_moe(), FP8Recipe(backend="emulated"))
+    ids = torch.randint(0, 100, (1, 8))
+    logits = model(ids).logits
+    assert torch.equal(copy.deepcopy(model)(ids).logits, logits)

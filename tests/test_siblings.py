@@ -2,6 +2,9 @@
 each linear alone, on real tiny Llama and Qwen2 models (Qwen2 has q/k/v biases)."""
 
 import copy
+import gc
+import io
+import weakref
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear
-from trl_fp8.quant.backends import emulated
+from trl_fp8.quant.backends import emulated, torch_scaled_mm
 from trl_fp8.quant.export import iter_fp8_state, save_fp8_checkpoint
 from trl_fp8.quant.siblings import FP8SiblingGroup
 
@@ -116,6 +119,22 @@ def test_nonfinite_sibling_is_named_and_copies_keep_their_own_groups(tmp_path):
         copied.model.layers[0].self_attn.q_proj.quantized_weight()  # the culprit is named, not the stack
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch_scaled_mm.is_available(torch.device("cuda"))[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
+@pytest.mark.parametrize("tokens", [9, 300])  # one token block (size-1 scale dims) and three
+def test_stacked_siblings_on_cublas(tokens):
+    fused, alone = (m.cuda() for m in _pair("qwen2", backend="torch", num_hidden_layers=1))
+    ids = torch.randint(0, 160, (1, tokens), device="cuda")
+    loss_f, grads_f = _step(fused, ids)
+    loss_a, grads_a = _step(alone, ids)
+    assert sqnr_db(loss_a, loss_f) > 60
+    assert min(sqnr_db(grads_a[n], grads_f[n]) for n in grads_a) > 40  # Hopper's MMA: 78 dB per GEMM, see conftest
+
+
 @pytest.mark.parametrize("arch", [pytest.param("qwen2", marks=triton_marks())])
 def test_stacked_siblings_on_the_triton_kernels(arch):
     """The fast path's padded operands (9 tokens: rows padded to 12, Xᵀ to 128) through the stacked GEMMs."""
@@ -153,4 +172,49 @@ def test_pending_outputs_go_stale_with_the_weights():
         attn_f.q_proj(x)  # k and v outputs now wait for their calls
         for attn in (attn_f, attn_a):
             attn.k_proj.weight.mul_(-1)
+        assert sqnr_db(attn_a.k_proj(x), attn_f.k_proj(x)) > 100
+
+
+def test_copies_pickles_and_replicas_after_a_forward():
+    """After a forward (caches filled, backends resolved): a deepcopy and a `torch.save` round trip group their own
+    members; a `DataParallel` replica (a shallow copy of each module) runs alone on its own weights; deleting the
+    model frees it without waiting for Python's cycle collector."""
+    fused, alone = _pair("qwen2", num_hidden_layers=1)
+    ids = torch.randint(0, 160, (1, 9))
+    logits = fused(ids).logits
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(fused), torch.load(buffer, weights_only=False)):
+        attn = other.model.layers[0].self_attn
+        assert attn.q_proj._siblings.members == [attn.q_proj, attn.k_proj, attn.v_proj]
+        assert torch.equal(other(ids).logits, logits)
+
+    k_proj = fused.model.layers[0].self_attn.k_proj
+    replica = k_proj._replicate_for_data_parallel()
+    with torch.no_grad():
+        # What `replicate()` then gives a replica: its own (broadcast) parameters.
+        replica.weight, replica.bias = torch.nn.Parameter(k_proj.weight * -1), torch.nn.Parameter(k_proj.bias * 1)
+        alone.model.layers[0].self_attn.k_proj.weight.mul_(-1)
+    x = torch.randn(2, 256)
+    assert replica._group() is None
+    assert sqnr_db(alone.model.layers[0].self_attn.k_proj(x), replica(x)) > 100
+
+    gc.disable()
+    try:
+        ref = weakref.ref(fused.model.layers[0].self_attn.q_proj)
+        del fused, k_proj, replica, other, attn
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_pending_outputs_go_stale_with_a_bias():
+    fused, alone = _pair("qwen2", num_hidden_layers=1)
+    attn_f, attn_a = fused.model.layers[0].self_attn, alone.model.layers[0].self_attn
+    x = torch.randn(1, 3, 256)
+    with torch.no_grad():
+        attn_f.q_proj(x)
+        for attn in (attn_f, attn_a):
+            attn.k_proj.bias.add_(1)
         assert sqnr_db(attn_a.k_proj(x), attn_f.k_proj(x)) > 100

@@ -43,15 +43,15 @@ def assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b):
     assert recipe_a == F.ScalingType.BlockWise1x128
     assert scale_a.dtype == scale_b.dtype == torch.float32
     assert scale_a.shape == (m, k // 128) and scale_a.stride(0) == 1
-    assert scale_a.stride(1) == m or scale_a.shape[1] == 1
+    assert scale_a.stride(1) == m or scale_a.shape[1] == scale_a.stride(1) == 1
     if recipe_b == F.ScalingType.BlockWise128x128:
         kb4 = _round_up(k // 128, 4)
         assert scale_b.shape == (kb4, _round_up(n, 128) // 128) and scale_b.stride(0) == 1
-        assert scale_b.stride(1) == kb4 or scale_b.shape[1] == 1
+        assert scale_b.stride(1) == kb4 or scale_b.shape[1] == scale_b.stride(1) == 1
     else:
         assert recipe_b == F.ScalingType.BlockWise1x128
         assert scale_b.shape == (n, k // 128) and scale_b.stride(0) == 1
-        assert scale_b.stride(1) == n or scale_b.shape[1] == 1
+        assert scale_b.stride(1) == n or scale_b.shape[1] == scale_b.stride(1) == 1
 
 
 def scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b) -> torch.Tensor:
@@ -115,3 +115,19 @@ def test_training_path_operands_need_no_copy(tokens):
         assert _no_copy((mat_a, mat_b, scale_a, scale_b), (a, b, sa, sb)), name
         ref = emulated.gemm(a, sa, b, sb, block, torch.float32)
         assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100, name
+
+
+@_triton
+@pytest.mark.parametrize("tokens", [100, 300])  # one token block (a size-1 scale dim) and three
+def test_stacked_siblings_wgrad_operands(tokens):
+    """Stacked q|k|v quantize their output gradient once; each member's wgrad takes its rows of dYᵀ, whose scales
+    are then a row slice (strides (1, N_total)): they must reach `F.scaled_mm` with strides (1, N_member)."""
+    torch.manual_seed(0)
+    _, _, dyt_q, dyt_s = fast_act(torch.randn(tokens, 512, device=DEVICE), False, True)
+    _, _, xt_q, xt_s = fast_act(torch.randn(tokens, 256, device=DEVICE), False, True)
+    for r0, r1 in ((0, 256), (256, 384), (384, 512)):
+        a, sa = dyt_q[r0:r1], dyt_s[r0:r1]
+        mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, sa, xt_q, xt_s, (1, 128))
+        assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b)
+        ref = emulated.gemm(a, sa, xt_q, xt_s, (1, 128), torch.float32)
+        assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100

@@ -43,7 +43,8 @@ class _SharedActivation:
     """The last input quantized, and its quantization: q, k and v (gate and up) read one X, which is then quantized
     once for the three, and the three wgrads share one saved Xᵀ (a kernel and an activation's memory saved per
     sibling). Matched by identity and version counter, so an in-place change of X re-quantizes; held by weak
-    reference, so the entry goes when X does."""
+    reference, so the entry goes when X does. Writes that bypass the version counter (`x.data`, DLPack aliases)
+    are not seen: the model's activations are fresh tensors, but a caller reusing an input buffer must not do that."""
 
     entry: tuple | None = None
 
@@ -197,8 +198,8 @@ class FP8Linear(nn.Linear):
         q, s, _, _ = self._quantized(check_finite=True)
         return q, s
 
-    @torch.no_grad()
     @torch.inference_mode(False)  # a cache filled in inference mode would hold tensors autograd cannot save
+    @torch.no_grad()  # inside: inference_mode(False) turns grad mode back on
     def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`; the transposes are dgrad's operands
         (contiguous on GPUs, whose FP8 MMA reads both operands K-major: made once per step, not once per backward).
@@ -206,8 +207,8 @@ class FP8Linear(nn.Linear):
         A forward never waits on the host for the NaN/inf check (a sync per layer would stall the GPU between
         layers): the quantizer hands back the amax, checked at the next `quantized_weight()`, which every sampler
         sync and the export call, so a non-finite weight never reaches the sampler."""
-        if self._siblings is not None:
-            return self._siblings.member_weight(self._sibling_index, check_finite)
+        if (group := self._group()) is not None:
+            return group.member_weight(self._sibling_index, check_finite)
         w = self.weight
         key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
         if self._w_cache is None or self._w_cache[0] != key:
@@ -223,14 +224,24 @@ class FP8Linear(nn.Linear):
             self._w_cache = (*self._w_cache[:5], None)
         return self._w_cache[1:5]
 
+    def _group(self):
+        """The sibling group this very module belongs to: a `DataParallel` replica (a shallow copy) has its
+        original's group in its `__dict__` but is not its member, and runs alone."""
+        group = self._siblings
+        return group if group is not None and group.member(self._sibling_index) is self else None
+
+    def __getstate__(self):
+        # Copies and pickles (deepcopy, torch.save) carry neither the backend modules (not picklable) nor the cache.
+        return {**self.__dict__, "_backends": {}, "_w_cache": None}
+
     def _backend_for(self, device: torch.device):
         if device not in self._backends:
             self._backends[device] = resolve_backend(self.backend, device)
         return self._backends[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._siblings is not None:
-            return self._siblings.forward(self, x)
+        if (group := self._group()) is not None:
+            return group.forward(self, x)
         w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = self._quantized(check_finite=False)
         return _FP8LinearFunction.apply(
             x,

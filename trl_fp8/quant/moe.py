@@ -53,6 +53,10 @@ class FP8Experts(nn.Module):
         self._cache: dict[str, tuple] = {}
         self._backends: dict[torch.device, object] = {}
 
+    def __getstate__(self):
+        # Copies and pickles carry neither the backend modules (not picklable) nor the caches.
+        return {**self.__dict__, "_backends": {}, "_cache": {}}
+
     @torch.no_grad()
     def quantized(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`(q (E, N, K), scale_inv (E, N/128, K/128))` of `gate_up_proj` or `down_proj`, cached like FP8Linear."""

@@ -14,6 +14,7 @@ version of it) than its siblings' pending outputs were computed for runs the sta
 correct, and causal LMs call q, k, v (gate, up) on one tensor in a row.
 """
 
+import copy
 import itertools
 import weakref
 
@@ -94,7 +95,9 @@ class FP8SiblingGroup:
                 raise ValueError(f"{m.fp8_name} cannot join {first.fp8_name}'s sibling group: its recipe differs")
             if m.out_features % 128:
                 raise ValueError(f"{m.fp8_name} has {m.out_features} rows, not whole 128-row blocks")
-        self.members = list(members)
+        # Weak references: the members hold the group, and a cycle would keep a deleted model's GPU memory until
+        # Python's cycle collector happens to run.
+        self._refs = [weakref.ref(m) for m in members]
         self.pow2_scales = first.pow2_scales
         ends = list(itertools.accumulate(m.out_features for m in members))
         self.rows = list(zip([0, *ends[:-1]], ends, strict=True))
@@ -103,20 +106,48 @@ class FP8SiblingGroup:
         for i, m in enumerate(members):
             m._siblings, m._sibling_index = self, i
 
-    def __getstate__(self):
-        # Copies (TRL's reference model is a deepcopy) start without caches or outputs waiting for a sibling.
-        return {**self.__dict__, "_cache": None, "_pending": None}
+    @property
+    def members(self) -> list[FP8Linear]:
+        return [ref() for ref in self._refs]
+
+    def member(self, i: int) -> FP8Linear | None:
+        return self._refs[i]()
+
+    # Copies start without caches or outputs waiting for a sibling, and group the copied members.
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new._cache = new._pending = None
+        new._refs = [weakref.ref(copy.deepcopy(m, memo)) for m in self.members]
+        return new
+
+    def __getstate__(self):  # pickling (torch.save): members by strong reference, which pickle's memo resolves
+        return {**self.__dict__, "_refs": self.members, "_cache": None, "_pending": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _refs=[weakref.ref(m) for m in state["_refs"]])
 
     def backend(self, device: torch.device):
         return self.members[0]._backend_for(device)
 
-    @torch.no_grad()
+    def _key(self) -> tuple:
+        """What the stacked weight and pending outputs were made from: each member's weight (optimizer steps, version,
+        storage, device, dtype) and bias (version, storage)."""
+        key = []
+        for m in self.members:
+            w, b = m.weight, m.bias
+            key.append(
+                (w._version, w.data_ptr(), w.device, w.dtype, None if b is None else (b._version, b.data_ptr()))
+            )
+        return (weights_epoch(), self.pow2_scales, *key)
+
     @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
+    @torch.no_grad()
     def quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stacked `(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`, quantized once per step
-        (the members' own cache keys), with `FP8Linear`'s deferred NaN/inf check."""
+        """The stacked `(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`, quantized once per step,
+        with `FP8Linear`'s deferred NaN/inf check."""
         ws = [m.weight for m in self.members]
-        key = tuple((weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype) for w in ws) + (self.pow2_scales,)
+        key = self._key()
         if self._cache is None or self._cache[0] != key:
             w = torch.cat([w.detach() for w in ws])
             backend = self.backend(w.device)
@@ -142,10 +173,10 @@ class FP8SiblingGroup:
     def forward(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """`member(x)`: the stacked GEMM's output for it, computed with its siblings' on the first of their calls."""
         i, p = member._sibling_index, self._pending
-        # Pending outputs fit only the very same input, grad mode and weights (an optimizer step in between, or an
-        # in-place write to a weight, makes them stale).
-        weights = (weights_epoch(), *(m.weight._version for m in self.members))
-        mode = (version_of(x), torch.is_grad_enabled(), torch.is_inference_mode_enabled(), weights)
+        # Pending outputs fit only the very same input (and its version and requires_grad), grad mode and parameters
+        # (an optimizer step in between, or an in-place write to a weight or bias, makes them stale).
+        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x.requires_grad)
+        mode = (version_of(x), grad_mode, self._key())
         if p is not None and mode[0] is not None and p[0]() is x and p[1] == mode and i in p[2]:
             out = p[2].pop(i)
             if not p[2]:

@@ -42,7 +42,11 @@ def _pad_k(q: torch.Tensor, block_k: int = 128) -> torch.Tensor:
 
 
 def _outer_dim_major(s: torch.Tensor) -> torch.Tensor:
-    return s.t().contiguous().t()  # a no-op view when `s` already is
+    """`s` with strides exactly (1, rows), which ATen checks (`contiguous()` would pass a size-1 dim's other stride,
+    e.g. a row slice of a taller scale tensor, as one token block of stacked siblings' dYᵀ has)."""
+    if s.stride() == (1, s.shape[0]):
+        return s
+    return torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=s.device).copy_(s)
 
 
 def cublas_operands(
