@@ -1,0 +1,118 @@
+"""`gpu_bench.py`'s report: the markdown tables of every section, the targets of issue #5, and Amdahl's bound on the
+training step. Pure functions of the results dict that `gpu_bench.py` also writes as JSON."""
+
+from step_profile import profile_markdown
+
+
+TARGETS = {"gemm": 1.6, "linear": 1.3, "quantize_share": 0.70, "train_step": 1.15}
+
+
+def markdown(results) -> str:
+    names = results["backends"]
+    lines = [f"Device: {results['device']}; torch {results['torch']}; triton {results.get('triton')}; "
+             f"FP8 backends: {', '.join(names) or 'none'}", ""]  # fmt: skip
+    for section, error in results.get("errors", {}).items():
+        lines += [f"**{section} failed**: `{error.splitlines()[-1] if error else ''}`", ""]
+    if "gemm" in results:
+        gemm_names = [n for n in names if n in results["gemm"][0]]  # TE swaps modules: no bare GEMM row
+        head = " | ".join(f"{n} TFLOP/s (ratio, ratio with 1x128 B, dB vs emulated)" for n in gemm_names)
+        lines += [
+            "(a) GEMM, bf16 out",
+            "",
+            f"| M | K | N | BF16 TFLOP/s | {head} |",
+            "|---" * (4 + len(gemm_names)) + "|",
+        ]
+        for r in results["gemm"]:
+            cells = " | ".join(
+                f"{r[n]['tflops']:.0f} ({r[n]['ratio']:.2f}x, {r[n]['ratio_1x128_b']:.2f}x, "
+                f"{r[n]['sqnr_vs_emulated_db']:.0f})"
+                for n in gemm_names
+            )
+            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['bf16_tflops']:.0f} | {cells} |")
+    if "linear" in results:
+        head = " | ".join(f"{n} ms (ratio, weight cached; dgrad/wgrad dB)" for n in names)
+        lines += ["", "(b) FP8Linear forward+backward, all quantization included", "",
+                  f"| M | K | N | BF16 ms | {head} |", "|---" * (4 + len(names)) + "|"]  # fmt: skip
+        for r in results["linear"]:
+            cells = " | ".join(
+                f"{r[n]['ms']:.2f} ({r[n]['ratio']:.2f}x, {r[n]['ratio_weight_cached']:.2f}x; "
+                f"{r[n]['dgrad_sqnr_vs_emulated_db']:.0f}/"
+                f"{r[n]['wgrad_sqnr_vs_emulated_db']:.0f})"
+                for n in names
+            )
+            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['bf16_ms']:.2f} | {cells} |")
+    if "quantize" in results:
+        q = results["quantize"]
+        lines += ["", f"(c) quantization bandwidth (copy: {q['copy_bandwidth_gbs']:.0f} GB/s)", "",
+                  "| kernel | GB/s | share of copy |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {k} | {v['bandwidth_gbs']:.0f} | {v['share_of_copy']:.0%} |" for k, v in q.items() if k[0] != "c"
+        ]
+    for key in ("train_step", "train_step_1seq"):
+        if key not in results:
+            continue
+        t = results[key]
+        lines += ["", f"(d, e) training step, Llama-3.2-1B shape, {t.get('shape', '')}", "",
+                  "| precision | tokens/s | step ms | ratio | peak GiB |", "|---|---|---|---|---|"]  # fmt: skip
+        for label, v in t.items():
+            if label == "shape":
+                continue
+            lines.append(f"| {label} | {v['tokens_per_s']:.0f} | {v['step_ms']:.1f} | {v.get('ratio', 1.0):.2f} | "
+                         f"{v['peak_memory_gib']:.2f} |")  # fmt: skip
+    if "moe" in results:
+        lines += [
+            "",
+            "(g) MoE layer (Qwen3-30B-A3B shape) forward+backward",
+            "",
+            "| path | ms | notes |",
+            "|---|---|---|",
+        ]
+        for k, v in results["moe"].items():
+            notes = ", ".join(
+                f"{a} {b:.2f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items() if a != "ms"
+            )
+            lines.append(f"| {k} | {v.get('ms', float('nan')):.2f} | {notes} |")
+    if "profile" in results:
+        lines += profile_markdown(results["profile"])
+        bound = step_bound(results)
+        if bound:
+            lines += ["", bound]
+    if "targets_met" in results:
+        lines += [
+            "",
+            "Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in results["targets_met"].items()),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def step_bound(results) -> str | None:
+    """Amdahl's bound on (d): BF16's GEMM share of the step (lm_head's included, so an over-estimate) sped up by
+    (a)'s best FP8 GEMM ratio, quantization free, everything else unchanged."""
+    bf16 = results["profile"].get("bf16", {})
+    gemm_rows = results.get("gemm") or []
+    ratios = [r[n]["ratio"] for r in gemm_rows for n in results["backends"] if n in r]
+    if "categories" not in bf16 or not ratios:
+        return None
+    share, best = bf16["categories"]["gemm"]["share"], max(ratios)
+    return (
+        f"Bound on (d): GEMMs are {share:.0%} of the BF16 step; at (a)'s best FP8 ratio ({best:.2f}x) with free "
+        f"quantization the step could reach at most {1 / (1 - share + share / best):.2f}x."
+    )
+
+
+def targets(results) -> dict[str, bool]:
+    met = {}
+    for name in results["backends"]:
+        if "gemm" in results and name in results["gemm"][0]:
+            met[f"{name}: gemm >= 1.6x"] = min(r[name]["ratio"] for r in results["gemm"]) >= TARGETS["gemm"]
+            met[f"{name}: matches emulated (>= 35 dB)"] = all(
+                r[name]["sqnr_vs_emulated_db"] >= 35 for r in results["gemm"]
+            )
+        if "linear" in results:
+            met[f"{name}: linear >= 1.3x"] = min(r[name]["ratio"] for r in results["linear"]) >= TARGETS["linear"]
+        if "train_step" in results and name in results["train_step"]:
+            met[f"{name}: train step >= 1.15x"] = results["train_step"][name]["ratio"] >= TARGETS["train_step"]
+    if "quantize" in results and "fused 1x128 + transposed (triton, one pass)" in results["quantize"]:
+        shares = [v["share_of_copy"] for k, v in results["quantize"].items() if "triton" in k]
+        met["triton quantize >= 70% of copy"] = min(shares) >= TARGETS["quantize_share"]
+    return met
