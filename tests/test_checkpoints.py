@@ -32,6 +32,7 @@ def test_recipe_round_trip(tmp_path):
     [
         ({"pow2_scales": True, "blocksize": 64}, r"unknown FP8Recipe fields \['blocksize'\]"),
         ({"backend": "tpu"}, r"FP8Recipe.backend must be one of"),
+        ({"fuse_siblings": "yes"}, r"FP8Recipe.fuse_siblings must be a bool, got 'yes'"),
         ([1, 2], "must hold a JSON object"),
     ],
 )

@@ -218,3 +218,11 @@ def test_pending_outputs_go_stale_with_a_bias():
         for attn in (attn_f, attn_a):
             attn.k_proj.bias.add_(1)
         assert sqnr_db(attn_a.k_proj(x), attn_f.k_proj(x)) > 100
+
+
+def test_group_refuses_members_it_cannot_stack_by_name():
+    _, alone = _pair("llama", num_hidden_layers=1)
+    attn, mlp = alone.model.layers[0].self_attn, alone.model.layers[0].mlp
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight cannot join .*q_proj.weight's"):
+        FP8SiblingGroup([attn.q_proj, mlp.down_proj])  # another in_features
+    assert attn.q_proj._siblings is None  # nothing half-grouped
