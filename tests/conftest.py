@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 
@@ -110,3 +111,31 @@ def triton_marks() -> list:
 # FP8 MMA keeps only ~14 mantissa bits while it sums one 128-deep K block (DeepSeek-V3 §3.3.2; the reason scales are
 # applied per block in fp32): ~2^-13 relative, measured 78 dB for both cuBLAS and Triton on an H200.
 ACCUMULATION_DB = 70 if torch.cuda.is_available() else 100
+
+
+# What `.item()`, `bool(t)`, `torch.equal` and friends dispatch to: on a GPU each waits for the whole queue.
+HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
+# Ops whose CUDA kernels sync inside to size their output: counted too, since dispatch does not see that sync.
+SIZING_OPS = ("aten.masked_select", "aten.bincount", "aten._unique", "aten.unique")
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the host syncs a block of PyTorch code would make on a GPU, seen at dispatch (so on CPU too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        sync = name.startswith(HOST_SYNC_OPS + SIZING_OPS)
+        if name.startswith(("aten.index.Tensor", "aten.index_put")):  # boolean-mask indexing runs nonzero
+            sync = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if name.startswith("aten.repeat_interleave") and kwargs.get("output_size") is None:
+            sync = True
+        if sync:
+            self.count += 1
+            self.ops.append(name)
+        return func(*args, **kwargs)

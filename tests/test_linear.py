@@ -5,9 +5,8 @@ import copy
 
 import pytest
 import torch
-from conftest import sqnr_db, tiny_config_kwargs, triton_marks
+from conftest import HostSyncs, sqnr_db, tiny_config_kwargs, triton_marks
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
@@ -182,20 +181,6 @@ def test_no_grad_forwards_skip_the_wgrad_quantization(monkeypatch):
     assert torch.equal(y_inference, y.detach())
 
 
-# What `.item()`, `bool(t)`, `torch.equal` and friends dispatch to: on a GPU each waits for the whole queue.
-HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal")
-
-
-class _HostSyncs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += str(func).startswith(HOST_SYNC_OPS)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=triton_marks())])
 def test_fp8_adds_no_host_sync_to_a_training_step(backend):
     """The first H200 run lost more than half of the FP8 step to one host sync per layer (the weight's NaN check).
@@ -217,7 +202,7 @@ def test_fp8_adds_no_host_sync_to_a_training_step(backend):
             opt.zero_grad()
 
         step()
-        with _HostSyncs() as counter:
+        with HostSyncs() as counter:
             step()
         return counter.count
 

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
-from conftest import ACCUMULATION_DB, sqnr_db, triton_marks
+from conftest import ACCUMULATION_DB, HostSyncs, sqnr_db, triton_marks
 
-from trl_fp8 import FP8Recipe, convert_to_fp8
+from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.tiny_moe import tiny_deepseek_v3, tiny_qwen3_moe
 from trl_fp8.quant import quantize_blockwise
 from trl_fp8.quant.backends import emulated
@@ -22,10 +22,36 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_group_by_expert_layout():
     top_k = torch.tensor([[2, 0], [2, 1], [0, 4], [2, 0]])  # expert 4 == num_experts: a dropped pair
     g = group_by_expert(top_k, num_experts=4)
-    assert g.rows == 3 * 128 and g.segments.tolist() == [0, 1, 2, 3, 3]  # expert 3 has no tokens
-    assert g.tile_expert.tolist() == [0, 1, 2]
+    # Sized for the worst case without a host sync: 8 pairs + 127 rows for each of 4 experts and the dropped ones.
+    assert g.rows == (8 + 127 * 5) // 128 * 128 == 5 * 128
+    assert g.segments.tolist() == [0, 1, 2, 3, 3]  # expert 3 has no tokens; the dropped pair's tile starts at 3
+    assert g.tile_expert.tolist() == [0, 1, 2, 4, 4]  # 4: no expert (zero outputs)
     by_row = {int(r): (int(t), int(p)) for r, t, p in zip(g.dest, g.token, g.pos, strict=True)}
-    assert by_row == {0: (0, 1), 1: (2, 0), 2: (3, 1), 128: (1, 1), 256: (0, 0), 257: (1, 0), 258: (3, 0)}
+    assert by_row == {0: (0, 1), 1: (2, 0), 2: (3, 1), 128: (1, 1), 256: (0, 0), 257: (1, 0), 258: (3, 0), 384: (2, 1)}
+
+
+def test_grouping_never_waits_for_the_gpu():
+    """Sizing the buffer exactly took two host syncs per MoE layer and pass (each stalls the queue of kernels)."""
+    top_k = torch.randint(0, 9, (300, 2))  # 9 == num_experts: dropped pairs
+    with HostSyncs() as counter:
+        group_by_expert(top_k, num_experts=8)
+    assert counter.count == 0, counter.ops
+
+
+def test_all_experts_quantize_in_one_launch_exactly_as_each_alone():
+    """FP8Experts quantizes all experts as one stacked (E * N, K) matrix (one kernel launch): every expert's rows are
+    whole 128-row blocks, so codes and scales are each expert's own (codes bit for bit where the kernel is compiled:
+    Triton's CPU interpreter rounds to E4M3 its own way, see tests/test_triton_kernels.py)."""
+    model = tiny_qwen3_moe().to(DEVICE)
+    convert_to_fp8(model, FP8Recipe(backend="triton"))
+    experts = next(m for m in model.modules() if isinstance(m, FP8Experts))
+    for which in ("gate_up_proj", "down_proj"):
+        q, s = experts.quantized(which)
+        for e in range(experts.num_experts):
+            q_ref, s_ref = quantize_blockwise(getattr(experts, which)[e].detach(), (128, 128))
+            assert torch.equal(s[e], s_ref), (which, e)
+            if DEVICE == "cuda":
+                assert torch.equal(q[e].view(torch.uint8), q_ref.view(torch.uint8)), (which, e)
 
 
 def _quantized_operands(m_per_expert, k, n):
@@ -79,13 +105,34 @@ def test_grouped_experts_match_the_per_expert_path(build):
     torch.manual_seed(1)
     tokens, hidden = 200, experts.gate_up_proj.shape[-1]
     x = torch.randn(tokens, hidden, device=DEVICE)
-    top_k_index = torch.randint(0, experts.num_experts, (tokens, 2), device=DEVICE)
+    # Index num_experts: a dropped pair (capacity-limited routers), which both paths skip.
+    top_k_index = torch.randint(0, experts.num_experts + 1, (tokens, 2), device=DEVICE)
     top_k_weights = torch.rand(tokens, 2, device=DEVICE)
-    outputs = []
+    outputs, syncs = [], []
     for module, run in ((experts, experts.forward), (looped, looped.forward_per_expert)):
         xi = x.clone().requires_grad_()
-        y = run(xi, top_k_index, top_k_weights)
-        y.square().sum().backward()
+        with HostSyncs() as counter:
+            y = run(xi, top_k_index, top_k_weights)
+            y.square().sum().backward()
+        syncs.append(counter.count)
         outputs.append((y, xi.grad, module.gate_up_proj.grad, module.down_proj.grad))
+    # Grouped: no host sync in the whole step (weights quantized too); the loop syncs once per expert it visits.
+    assert syncs[0] == 0 and syncs[1] > experts.num_experts
     for (got, ref), what in zip(zip(*outputs, strict=True), ("y", "dx", "d gate_up", "d down"), strict=True):
         assert sqnr_db(ref, got) > ACCUMULATION_DB - 10, what  # -10: two chained FP8 layers, requantized between
+
+
+def test_a_nan_expert_weight_costs_no_sync_in_training_and_is_refused_at_export():
+    """As FP8Linear: the finiteness check waits for the next export (every sampler sync), which names the weight."""
+    model = tiny_qwen3_moe().to(DEVICE)
+    convert_to_fp8(model, FP8Recipe(backend="triton"))
+    experts = next(m for m in model.modules() if isinstance(m, FP8Experts))
+    with torch.no_grad():
+        experts.down_proj[1, 5, 7] = float("nan")
+    x = torch.randn(64, experts.gate_up_proj.shape[-1], device=DEVICE)
+    top_k_index = torch.randint(0, experts.num_experts, (64, 2), device=DEVICE)
+    with HostSyncs() as counter:
+        experts(x, top_k_index, torch.rand(64, 2, device=DEVICE))
+    assert counter.count == 0
+    with pytest.raises(ValueError, match=rf"'{experts.fp8_name}.down_proj'.*1 of .* not finite \(1 NaN"):
+        dict(iter_fp8_state(model))

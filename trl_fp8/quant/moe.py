@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from .backends import resolve_backend
-from .backends._quantize import triton_status
-from .blockwise import quantize_blockwise
+from .backends._quantize import check_amax, triton_status
 from .linear import _FP8LinearFunction, weights_epoch
 from .moe_grouped import grouped_experts_forward
 from .w8a8 import W8A8Linear
@@ -58,19 +57,30 @@ class FP8Experts(nn.Module):
         return {**self.__dict__, "_backends": {}, "_cache": {}}
 
     @torch.no_grad()
-    def quantized(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(q (E, N, K), scale_inv (E, N/128, K/128))` of `gate_up_proj` or `down_proj`, cached like FP8Linear."""
+    def quantized(self, which: str, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(q (E, N, K), scale_inv (E, N/128, K/128))` of `gate_up_proj` or `down_proj`, cached like FP8Linear. The
+        NaN/inf check (a host sync) is FP8Linear's too: deferred from the forward passes to the next call with
+        `check_finite` (every export and sampler sync), which names the Parameter."""
         w = getattr(self, which)
         key = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales)
         if which not in self._cache or self._cache[which][0] != key:
-            q, s = quantize_blockwise(w, (128, 128), pow2_scales=self.pow2_scales, name=f"{self.fp8_name}.{which}")
-            self._cache[which] = (key, q, s)
-        return self._cache[which][1], self._cache[which][2]
+            # Every expert's rows are whole 128-row blocks (conversion checks), so the experts stacked as one
+            # (E * N, K) matrix quantize exactly as each alone: one launch of the backend's weight kernel for all.
+            e, n, k = w.shape
+            q, s, amax = self._backend(w.device).quantize_weight(
+                w.detach().reshape(e * n, k), (128, 128), self.pow2_scales, "", check_finite=False
+            )
+            self._cache[which] = (key, q.view(e, n, k), s.view(e, n // 128, s.shape[-1]), amax)
+        key, q, s, amax = self._cache[which]
+        if check_finite and amax is not None:
+            check_amax(amax, w, f"{self.fp8_name}.{which}")
+            self._cache[which] = (key, q, s, None)
+        return q, s
 
     @torch.no_grad()
     def quantized_with_t(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`quantized(which)` plus the transposed codes (E, K, N), K-major for the grouped dgrad; once per step."""
-        q, s = self.quantized(which)
+        q, s = self.quantized(which, check_finite=False)
         key = self._cache[which][0]
         cached = self._cache.get(f"{which}_t")
         if cached is None or cached[0] != key:
@@ -84,7 +94,7 @@ class FP8Experts(nn.Module):
         return self._backends[device]
 
     def _linear(self, x, which: str, e: int):
-        q, s = self.quantized(which)
+        q, s = self.quantized(which, check_finite=False)
         weight = getattr(self, which)[e]  # a view: its gradient lands in the fused Parameter
         # Wᵀ stays a view of the fused tensor here; a backend that needs it K-major copies it.
         return _FP8LinearFunction.apply(

@@ -16,32 +16,38 @@ from .backends._quantize import fast_act
 
 
 class ExpertGroups(NamedTuple):
-    dest: torch.Tensor  # (P,) buffer row of each routed pair, pairs in expert order
+    dest: torch.Tensor  # (P,) buffer row of each routed pair, pairs in expert order (dropped pairs last)
     token: torch.Tensor  # (P,) its token
     pos: torch.Tensor  # (P,) its top-k slot
-    tile_expert: torch.Tensor  # (rows / 128,) int32: the expert of each 128-row tile
-    segments: torch.Tensor  # (E + 1,) int32: each expert's first 128-row tile; the last entry is rows / 128
+    tile_expert: torch.Tensor  # (rows / 128,) int32: the expert of each 128-row tile, num_experts for none
+    segments: torch.Tensor  # (E + 1,) int32: each expert's first 128-row tile; the last entry ends expert E - 1
     rows: int
 
 
 @torch.no_grad()
 def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertGroups:
-    """Where each routed (token, k) pair of `top_k_index` (T, k) goes in the 128-aligned expert-grouped buffer."""
-    k = top_k_index.shape[1]
-    flat = top_k_index.flatten()
+    """Where each routed (token, k) pair of `top_k_index` (T, k) goes in the 128-aligned expert-grouped buffer.
+
+    No host sync: the buffer is sized for the worst case, `T * k` pairs plus 127 padding rows for each expert and
+    for the dropped pairs (index `num_experts`, which some models use and transformers' loop skips). Dropped pairs
+    and the tail past the last expert sit in tiles of expert `num_experts`, which the grouped kernels give zero
+    outputs, so they add nothing. Sizing the buffer exactly would cost two syncs per MoE layer and pass, and each
+    stalls the CPU that queues the kernels."""
+    pairs, k = top_k_index.numel(), top_k_index.shape[1]
+    device = top_k_index.device
+    flat = top_k_index.flatten().clamp(max=num_experts)
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
-    # Index `num_experts` marks a dropped pair in some models (transformers' loop skips it too); it sorts last.
-    keep = expert < num_experts
-    order, expert = order[keep], expert[keep]
-    counts = torch.bincount(expert, minlength=num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
     tiles = (counts + 127) // 128
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    first_pair = torch.cumsum(counts, 0) - counts
-    dest = first_tile[expert] * 128 + torch.arange(len(order), device=flat.device) - first_pair[expert]
-    segments = torch.cat([first_tile, tiles.sum().reshape(1)]).to(torch.int32)
-    tile_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), tiles).to(torch.int32)
-    return ExpertGroups(dest, order // k, order % k, tile_expert, segments, int(tiles.sum()) * 128)
+    ends = torch.cumsum(tiles, 0)
+    first_tile, first_pair = ends - tiles, torch.cumsum(counts, 0) - counts
+    dest = first_tile[expert] * 128 + torch.arange(pairs, device=device) - first_pair[expert]
+    max_tiles = (pairs + 127 * (num_experts + 1)) // 128
+    tile_expert = torch.searchsorted(ends, torch.arange(max_tiles, device=device), right=True)
+    tile_expert = tile_expert.clamp(max=num_experts).to(torch.int32)
+    return ExpertGroups(dest, order // k, order % k, tile_expert, first_tile.to(torch.int32), max_tiles * 128)
 
 
 class _GroupedFP8Function(torch.autograd.Function):
@@ -50,6 +56,8 @@ class _GroupedFP8Function(torch.autograd.Function):
     - fprop: Y[M, N]     = X[M, K] · W[e][N, K]ᵀ    X in 1x128 blocks along K, W[e] in 128x128 blocks
     - dgrad: dX[M, K]    = dY[M, N] · W[e][N, K]    dY in 1x128 blocks along N, W[e]ᵀ (cached K-major)
     - wgrad: dW[e][N, K] = dY_eᵀ[N, M_e] · X_e[M_e, K]   dYᵀ and Xᵀ in 1x128 blocks along each expert's tokens
+
+    Tiles of no expert (`tile_expert` = E) get zero outputs in fprop and dgrad and are left out of wgrad.
 
     Every GEMM accumulates in fp32, the scales applied per 128-deep K block.
     """

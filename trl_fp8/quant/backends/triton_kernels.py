@@ -267,14 +267,17 @@ def gemm(
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, M, N, K,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Rows of A come grouped by expert in 128-aligned segments: every M tile belongs to one expert, whose B it uses.
+    # A tile of expert E (none: padding, dropped pairs) skips the K loop and stores zeros.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128).to(tl.int64)
+    k_blocks = tl.where(expert < E, tl.cdiv(K, BLOCK_K), 0)
+    expert = tl.minimum(expert, E - 1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -282,7 +285,7 @@ def grouped_gemm_kernel(
     b_base = b_ptr + expert * stride_be
     bs_base = bs_ptr + expert * stride_bse
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(0, k_blocks):
         k = kb * BLOCK_K + offs_k
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
         b = tl.load(b_base + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
@@ -326,7 +329,8 @@ def grouped_wgrad_kernel(
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype):
     """`C[rows of e] = A[rows of e] @ B[e].T` for A (M, K) in 1x128 blocks, grouped by expert in 128-row-aligned
-    segments (`tile_expert[i]`: the expert of rows 128i..128i+127), and B (E, N, K) in 128x128 blocks."""
+    segments (`tile_expert[i]`: the expert of rows 128i..128i+127, E for rows of none, which get zeros), and B
+    (E, N, K) in 128x128 blocks."""
     m, k = a.shape
     n = b.shape[1]
     if b.stride(2) != 1:
@@ -335,7 +339,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype):
     block_m, block_n = (64, 64) if _interpreting() else (128, 128)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     grouped_gemm_kernel[grid](
-        a, b, c, a_scale_inv, b_scale_inv, tile_expert, m, n, k,
+        a, b, c, a_scale_inv, b_scale_inv, tile_expert, m, n, k, b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale_inv.stride(0), a_scale_inv.stride(1),
         b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2),
