@@ -2,6 +2,9 @@
 errors run; the GPU tests (marked `te`) check TE's numerics against the reference where TE is installed."""
 
 import copy
+import re
+import sys
+import types
 
 import pytest
 import torch
@@ -33,6 +36,36 @@ def test_without_transformer_engine_the_choice_is_explained():
     assert len(layers) == 3 * 7 and not any(is_te_linear(m) for m in converted.modules())
 
 
+def _no_visible_gpu(**_):
+    raise RuntimeError("No CUDA GPUs are available")  # what torch.cuda says with CUDA_VISIBLE_DEVICES=""
+
+
+@pytest.mark.parametrize(
+    "fake_te,reason",
+    [
+        (dict(__version__="2.8.0"), r"TransformerEngine 2.8.0 is too old for this backend \(needs >= 2.20\)"),
+        (dict(autocast=None, is_fp8_block_scaling_available=_no_visible_gpu), "cannot query the GPU: No CUDA GPUs"),
+    ],
+    ids=["too_old", "no_visible_gpu"],
+)
+def test_a_transformer_engine_that_cannot_run_the_recipe_is_explained(monkeypatch, fake_te, reason):
+    """TE cannot be installed here, so stand-ins (the one mock in this file) play an old TE and a TE whose GPU
+    queries raise, as on a machine with TE but no visible GPU: `auto` must skip it with the reason, not crash."""
+    package, module = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
+    for key, value in fake_te.items():
+        setattr(module, key, value)
+    package.pytorch = module
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", module)
+    te_status.cache_clear()
+    try:
+        ok, why = te_status()
+        assert not ok and re.search(reason, why), why
+        assert re.search(reason, available_backends()["te"])
+    finally:
+        te_status.cache_clear()
+
+
 te_only = pytest.mark.skipif(not TE_OK, reason=f"needs TransformerEngine on a GPU ({te_status()[1]})")
 
 
@@ -48,7 +81,8 @@ def test_te_weight_grid_is_the_reference_grid_and_names_are_unchanged():
     assert sum(is_te_linear(m) for m in model.modules()) == 3 * 7
     assert set(model.state_dict()) == keys  # no `_extra_state`, same names
     stream = dict(iter_fp8_state(model))
-    assert not any("extra_state" in name for name in stream)
+    # Nothing but the model's own tensors and their scales: no `_extra_state`, no empty bias of TE's (Llama has none).
+    assert set(stream) <= keys | {key + "_scale_inv" for key in keys}
     w = model.model.layers[1].mlp.down_proj.weight.detach()
     q_ref, s_ref = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
     q, s = stream["model.layers.1.mlp.down_proj.weight"], stream["model.layers.1.mlp.down_proj.weight_scale_inv"]
@@ -58,15 +92,18 @@ def test_te_weight_grid_is_the_reference_grid_and_names_are_unchanged():
 @pytest.mark.gpu
 @pytest.mark.te
 @te_only
-def test_te_linear_matches_emulated():
+# 300 tokens pad to 304, 276 to 288: TE's wgrad needs the token count 16-aligned (8 would give 280 and fail).
+@pytest.mark.parametrize("tokens,bias", [(300, True), (276, False)])
+def test_te_linear_matches_emulated(tokens, bias):
     from trl_fp8.quant.te_linear import te_linear_class
 
     torch.manual_seed(0)
-    lin = nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
+    lin = nn.Linear(512, 384, bias=bias, device="cuda", dtype=torch.bfloat16)
     fast = te_linear_class().from_linear(copy.deepcopy(lin), pow2_scales=FP8Recipe().pow2_scales, name="l")
     slow = FP8Linear.from_linear(copy.deepcopy(lin), backend="emulated", pow2_scales=FP8Recipe().pow2_scales)
-    x = torch.randn(3, 100, 512, device="cuda", dtype=torch.bfloat16)  # 300 tokens: padded to 304 inside
+    x = torch.randn(3, tokens // 3, 512, device="cuda", dtype=torch.bfloat16)
     xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    assert (fast.bias is None) == (not bias)  # not TE's empty placeholder
     yf, ys = fast(xf), slow(xs)
     yf.float().square().sum().backward()
     ys.float().square().sum().backward()

@@ -12,7 +12,12 @@ Written against TransformerEngine 2.20's source; no machine this project tests o
   checkpoints or in the sync stream).
 - `quantized_weight()` returns TE's own block quantization of the weight (its `Float8BlockQuantizer`, the one its
   forward uses), so the sampler receives exactly the grid TE computed with.
-- TE's FP8 GEMMs need the token count to be a multiple of 8: inputs are padded with zero rows, which add nothing.
+- TE's block-scaled GEMMs need the token count to be a multiple of 16 (it is wgrad's leading dimension, and cuBLAS
+  wants it 16-aligned; TE's own check only asks for 8): inputs are padded with zero rows, which add nothing.
+- Without a bias, TE keeps an empty tensor as `bias`; it is set to `None`, as `nn.Linear` has it, so that nothing
+  downstream (the sync stream above all) takes it for a bias.
+- The swapped module holds copies of the weights (TE tags its own Parameters): build the optimizer after conversion,
+  as `FP8GRPOTrainer` does.
 """
 
 import functools
@@ -39,10 +44,18 @@ def te_status() -> tuple[bool, str]:
         return False, 'transformer_engine is not installed (pip install "trl-fp8[te]", on a CUDA machine)'
     except Exception as err:  # a broken CUDA install surfaces here, not as ImportError
         return False, f"transformer_engine failed to import: {err}"
-    ok, reason = te.is_fp8_block_scaling_available(return_reason=True)
+    if not hasattr(te, "is_fp8_block_scaling_available") or not hasattr(te, "autocast"):
+        return (
+            False,
+            f"TransformerEngine {getattr(te, '__version__', '?')} is too old for this backend (needs >= 2.20)",
+        )
+    try:  # both ask the CUDA driver, and raise rather than answer where no GPU is visible
+        ok, reason = te.is_fp8_block_scaling_available(return_reason=True)
+        major, minor = torch.cuda.get_device_capability()
+    except Exception as err:
+        return False, f"TransformerEngine cannot query the GPU: {err}"
     if not ok:
         return False, f"TransformerEngine cannot run Float8BlockScaling here: {reason}"
-    major, minor = torch.cuda.get_device_capability()
     if major >= 10:
         return True, f"SM{major}{minor}: TransformerEngine emulates this recipe with MXFP8 and needs pow2_scales=True"
     return True, f"TransformerEngine on SM{major}{minor}"
@@ -91,6 +104,8 @@ def te_linear_class() -> type:
                 new.weight.copy_(linear.weight)
                 if linear.bias is not None:
                     new.bias.copy_(linear.bias)
+                else:
+                    new.bias = None  # not TE's empty placeholder (TE reads it only with use_bias)
             new.weight.requires_grad_(linear.weight.requires_grad)
             new.te_recipe = te_block_recipe(pow2_scales)
             new.pow2_scales = pow2_scales
@@ -101,7 +116,7 @@ def te_linear_class() -> type:
 
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             x2d = x.reshape(-1, x.shape[-1])
-            pad = -x2d.shape[0] % 8
+            pad = -x2d.shape[0] % 16
             if pad:
                 x2d = torch.nn.functional.pad(x2d, (0, 0, 0, pad))
             with te.autocast(enabled=True, recipe=self.te_recipe):
@@ -124,7 +139,7 @@ def te_linear_class() -> type:
                 )
                 qt = quantizer(w)
                 k_blocks = math.ceil(w.shape[1] / 128)
-                # TE pads the scale rows to a multiple of 4 for its GEMMs; the checkpoint format has none.
+                # TE pads the K-block columns of the scales to a multiple of 4 for its GEMMs; checkpoints have none.
                 q = qt._rowwise_data.view(torch.float8_e4m3fn)
                 s = qt._rowwise_scale_inv[:, :k_blocks].contiguous()
                 if not bool(torch.isfinite(s).all()):
@@ -134,7 +149,8 @@ def te_linear_class() -> type:
 
         def extra_repr(self) -> str:
             return (
-                f"{super().extra_repr()}, fp8=e4m3 w128x128/x1x128 (TransformerEngine), pow2_scales={self.pow2_scales}"
+                f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8=e4m3 w128x128/x1x128 (TransformerEngine), pow2_scales={self.pow2_scales}"
             )
 
     return TEFP8Linear
