@@ -71,7 +71,10 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
     assert "fp8" in card.split("---")[1]  # the tag, in the card's metadata
     out = tmp_path / "fp8"
     trainer.save_model(str(out))
-    assert (out / RECIPE_NAME).exists()
+    # What any transformers checkpoint of a trainer holds: vLLM reads its sampling defaults and EOS ids from
+    # generation_config.json.
+    for name in (RECIPE_NAME, "generation_config.json", "training_args.bin", "tokenizer_config.json"):
+        assert (out / name).exists(), name
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8"
     assert config["quantization_config"]["modules_to_not_convert"] == ["lm_head"]

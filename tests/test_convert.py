@@ -88,6 +88,9 @@ def test_training_step_changes_every_parameter(tiny_qwen2):
         ({"num_last_layers_in_bf16": 1.5}, "num_last_layers_in_bf16"),
         ({"pow2_scales": "yes"}, "pow2_scales"),
         ({"modules_to_not_convert": [""]}, "modules_to_not_convert"),
+        # From YAML or the command line, a string would otherwise be split into characters that match nothing.
+        ({"modules_to_not_convert": "mlp.down_proj"}, "modules_to_not_convert must be a list, got str"),
+        ({"weight_block_size": "128"}, "weight_block_size must be a list"),
     ],
 )
 def test_invalid_recipe_names_the_field(kwargs, field):
@@ -99,3 +102,5 @@ def test_recipe_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match=r"unknown FP8Recipe fields \['block'\]"):
         FP8Recipe.from_any({"block": 64})
     assert FP8Recipe.from_any({"pow2_scales": True}).pow2_scales
+    with pytest.raises(ValueError, match=r"expected an FP8Recipe, a dict .* got list \[128, 128\]"):
+        FP8Recipe.from_any([128, 128])

@@ -124,6 +124,32 @@ def test_sampler_holds_the_learners_fp8_weights_bit_for_bit(tmp_path, demo_token
     assert torch.equal(sampler.lm_head.weight, trainer.model.lm_head.weight.detach())
 
 
+def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
+    """TRL loads models in fp32 and `bf16=True` runs the sampler in bf16: the learner's high-precision tensors are
+    cast into it at each sync (FP8 codes and scales arrive exactly); `generation_kwargs` override the sampling
+    parameters, as in TRL, rather than colliding with them."""
+    model = tiny_policy(demo_tokenizer)
+    assert model.dtype == torch.float32
+    trainer = FP8GRPOTrainer(
+        model=model,
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, bf16=True, generation_kwargs={"top_k": 5, "max_new_tokens": 3}),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    engine = trainer.vllm_generation
+    assert (engine.generation_config.top_k, engine.generation_config.max_new_tokens) == (5, 3)
+    train_and_check(trainer)
+    engine.sync_weights()
+    sampler, learner = engine.sampler, trainer.model
+    assert sampler.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(sampler.lm_head.weight, learner.lm_head.weight.detach().bfloat16())
+    down = learner.model.layers[1].mlp.down_proj
+    q, s = down.quantized_weight()
+    held = sampler.model.layers[1].mlp.down_proj
+    assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(held.weight_scale_inv, s)
+
+
 def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_tokenizer):
     # FP8 sampler, high-precision learner: a real mismatch. A cap just above 1 makes TRL truncate many tokens.
     clip_max = 1.0005
@@ -225,6 +251,31 @@ def test_config_defaults_and_contradictions(tmp_path):
         )
     with pytest.raises(ValueError, match=r"fp8_recipe: unknown FP8Recipe fields \['blocks'\]"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe={"blocks": 3})
+    with pytest.raises(ValueError, match=r"fp8_recipe: expected an FP8Recipe, a dict .* got int 123"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe=123)
+    # The samplers take 128x128 blocks only: refused here, not at the first weight sync after loading everything.
+    blocks = {"weight_block_size": [64, 64], "backend": "emulated"}
+    with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\] needs fp8_generation=False"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe=blocks)
+    assert FP8GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, fp8_recipe=blocks, fp8_generation=False
+    ).resolved_fp8_recipe.weight_block_size == [64, 64]
+
+
+@pytest.mark.parametrize("backend", ["torch", "te"])
+def test_a_backend_that_cannot_run_here_is_refused_before_anything_changes(tmp_path, demo_tokenizer, backend):
+    """CPU training with backend='torch' (needs an SM90 GPU) or 'te': refused before GRPOTrainer loads anything or
+    the user's model is converted."""
+    model = tiny_policy(demo_tokenizer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = tiny_grpo_args(tmp_path, fp8_recipe={"backend": backend})
+    with pytest.raises(RuntimeError, match=f"FP8 backend '{backend}' cannot run here"):
+        FP8GRPOTrainer(
+            model=model, reward_funcs=digit_reward, args=args, train_dataset=make_dataset(8),
+            processing_class=demo_tokenizer,
+        )  # fmt: skip
+    assert not any(type(m).__name__ == "FP8Linear" for m in model.modules()) and not hasattr(model, "fp8_recipe")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):

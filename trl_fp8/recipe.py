@@ -57,6 +57,11 @@ class FP8Recipe(PushToHubMixin):
     def __post_init__(self):
         from .quant.backends import BACKEND_NAMES
 
+        # A string (easy to write in YAML or on the command line) would pass list() one character at a time.
+        for name in ("weight_block_size", "activation_block_size", "modules_to_not_convert"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"FP8Recipe.{name} must be a list, got {type(value).__name__} {value!r}")
         self.weight_block_size = list(self.weight_block_size)
         self.activation_block_size = list(self.activation_block_size)
         self.modules_to_not_convert = list(self.modules_to_not_convert or [])
@@ -167,4 +172,9 @@ class FP8Recipe(PushToHubMixin):
             return value
         if isinstance(value, dict):
             return cls.from_dict(value)
+        if not isinstance(value, (str, os.PathLike)):
+            raise ValueError(
+                f"expected an FP8Recipe, a dict of its fields, or the path or Hub id of its fp8_recipe.json, got "
+                f"{type(value).__name__} {value!r}"
+            )
         return cls.from_pretrained(value)

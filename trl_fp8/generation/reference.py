@@ -117,7 +117,7 @@ class ReferenceEngine(LearnerStream):
         )
         self.sampler = build_sampler_model(accelerator.unwrap_model(model), recipe, fp8=fp8, dtype=dtype)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
-        self.generation_config = GenerationConfig(
+        sampling = dict(
             max_new_tokens=max_completion_length,
             do_sample=True,
             temperature=temperature,
@@ -128,9 +128,12 @@ class ReferenceEngine(LearnerStream):
             eos_token_id=self.eos_token_ids,
             pad_token_id=pad_token_id,
             use_cache=True,  # decode with a KV cache, whatever the learner's config says
+        )
+        # As in TRL, `generation_kwargs` override the sampling parameters; the scores are the engine's own.
+        self.generation_config = GenerationConfig(
+            **{**sampling, **(generation_kwargs or {})},
             output_scores=True,  # the processed logits, for the sampled tokens' log-probs
             return_dict_in_generate=True,
-            **(generation_kwargs or {}),
         )
         if kv_cache:
             # vLLM's checkpoint names; -1 marks "never received", so a missing scale can never pass as 1.0.
@@ -151,7 +154,11 @@ class ReferenceEngine(LearnerStream):
         start = time.perf_counter()
         pairs = self.state_stream()
         sent, bf16 = stream_nbytes(pairs)
-        pairs = [(name, t.to(self.sampler.device)) for name, t in pairs]
+        # The learner's high-precision tensors (embeddings, norms, lm_head, biases) arrive in its dtype, often fp32
+        # (TRL loads models in fp32); the sampler runs in bf16 under bf16=True, and vLLM would cast them too. FP8 codes
+        # and scales arrive exactly as quantized, and load_state_stream checks that.
+        held = self.sampler.state_dict(keep_vars=True)
+        pairs = [(name, t.to(self.sampler.device, _sampler_dtype(name, t, held.get(name)))) for name, t in pairs]
         load_state_stream(self.sampler, pairs)
         self._synced_versions = versions
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
@@ -195,3 +202,15 @@ class ReferenceEngine(LearnerStream):
             completion_ids.append(row[:length].tolist())
             logprobs.append([[lp] for lp in row_logps[:length].tolist()])
         return [list(p) for p in prompts], completion_ids, logprobs, None
+
+
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _sampler_dtype(name: str, tensor: torch.Tensor, held: torch.Tensor | None) -> torch.dtype:
+    """The dtype a streamed tensor is loaded in: the sampler's, for high-precision weights; else (FP8 codes, scales)
+    its own, which `load_state_stream` holds to the sampler's."""
+    scale = name.endswith(("_scale_inv", "_scale"))
+    if held is not None and not scale and tensor.dtype in _HIGH_PRECISION and held.dtype in _HIGH_PRECISION:
+        return held.dtype
+    return tensor.dtype

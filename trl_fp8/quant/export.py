@@ -144,4 +144,7 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     config = copy.deepcopy(model.config)
     config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
     config.save_pretrained(save_directory)
+    # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(save_directory)
     return fp8_weights

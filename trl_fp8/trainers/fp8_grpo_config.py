@@ -146,6 +146,11 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(f"fp8_recipe: {err}") from err
         if not isinstance(self.fp8_recipe, str):
             self.fp8_recipe = self._fp8_recipe.to_dict()  # JSON-native, so TrainingArguments can serialize it
+        if self.fp8_generation and self._fp8_recipe.weight_block_size != [128, 128]:
+            raise ValueError(
+                f"fp8_recipe.weight_block_size {self._fp8_recipe.weight_block_size} needs fp8_generation=False: the "
+                "FP8 samplers (vLLM's block-FP8 kernels and the reference engine) take 128x128 weight blocks only"
+            )
         if self.fp8_save_format not in ("bf16", "fp8"):
             raise ValueError(f"fp8_save_format must be 'bf16' or 'fp8', got {self.fp8_save_format!r}")
         if self.fp8_kv_cache and not self.fp8_generation:

@@ -7,6 +7,7 @@ from functools import partial
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from accelerate.utils import is_peft_model
+from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -16,7 +17,7 @@ from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
 from ..quant.moe import capture_routing, is_fused_experts
-from ..quant.te_linear import is_te_linear
+from ..quant.te_linear import is_te_linear, te_status
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -66,6 +67,8 @@ class FP8GRPOTrainer(GRPOTrainer):
                 "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
             )
         recipe = args.resolved_fp8_recipe
+        if args.fp8_training:
+            check_backend_runs_here(recipe, args.device)
         engine = None
         if args.use_vllm and args.fp8_generation:
             # TRL builds its vLLM engine inside GRPOTrainer.__init__: it builds ours, with TRL's own arguments.
@@ -172,6 +175,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 )
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
             if self.args.push_to_hub:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         else:
@@ -304,6 +308,17 @@ def _engine_class(engine_class):
         yield
     finally:
         trl_grpo.VLLMGeneration = original
+
+
+def check_backend_runs_here(recipe, device: torch.device) -> None:
+    """Refuses a backend the training device cannot run before GRPOTrainer loads anything (models, vLLM) and before
+    the user's model is converted: nothing is changed by a failed start."""
+    if recipe.backend == "te":
+        ok, why = te_status()
+        if not (ok and device.type == "cuda"):
+            raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else f'training runs on {device}'}")
+    elif recipe.backend != "auto":
+        resolve_backend(recipe.backend, device)
 
 
 def learner_backend(policy, recipe) -> str:
