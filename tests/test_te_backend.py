@@ -72,12 +72,14 @@ te_only = pytest.mark.skipif(not TE_OK, reason=f"needs TransformerEngine on a GP
 @pytest.mark.gpu
 @pytest.mark.te
 @te_only
-def test_te_weight_grid_is_the_reference_grid_and_names_are_unchanged():
+# Both scale rules, whatever NVTE_FP8_BLOCK_SCALING_FP32_SCALES said when TE was imported: the rule is set on the
+# recipe instance.
+@pytest.mark.parametrize("pow2", [False, True])
+def test_te_weight_grid_is_the_reference_grid_and_names_are_unchanged(pow2):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs())).cuda()
     keys = set(model.state_dict())
-    pow2 = FP8Recipe().pow2_scales
-    convert_to_fp8(model, FP8Recipe(backend="te"))
+    convert_to_fp8(model, FP8Recipe(backend="te", pow2_scales=pow2))
     assert sum(is_te_linear(m) for m in model.modules()) == 3 * 7
     assert set(model.state_dict()) == keys  # no `_extra_state`, same names
     stream = dict(iter_fp8_state(model))

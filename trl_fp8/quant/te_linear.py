@@ -4,9 +4,10 @@
 Written against TransformerEngine 2.20's source; no machine this project tests on has TE, so the GPU tests in
 `tests/test_te_backend.py` (marked `te`) are what verify it. What it takes care of:
 
-- The fp32-scale switch is the environment variable `NVTE_FP8_BLOCK_SCALING_FP32_SCALES`, read once when TE is
-  imported (class attributes of `Float8BlockScaling`; its constructor flag is ignored). It is set here before the
-  first import from the recipe, and a TE imported with the other setting is refused rather than silently used.
+- TE's fp32-scale switch is the environment variable `NVTE_FP8_BLOCK_SCALING_FP32_SCALES`, read once when TE is
+  imported into class attributes of `Float8BlockScaling` (its constructor flag is ignored), so it depends on who
+  imported TE first. The recipe's scale rule is set on the `Float8BlockScaling` instance instead (TE reads the
+  `fp8_quant_*` parameters from the instance it is given), whatever the variable said.
 - `te.autocast(recipe=None)` would pick DelayedScaling on Hopper: the recipe is always passed.
 - The swapped module keeps `weight` / `bias` names, and has no `_extra_state` entry (no framework-private state in
   checkpoints or in the sync stream).
@@ -22,7 +23,6 @@ Written against TransformerEngine 2.20's source; no machine this project tests o
 
 import functools
 import math
-import os
 
 import torch
 from torch import nn
@@ -30,14 +30,9 @@ from torch import nn
 from .linear import weights_epoch
 
 
-FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
-
-
 @functools.cache
 def te_status() -> tuple[bool, str]:
     """Whether TransformerEngine can run this recipe here, and why (not)."""
-    # TE reads the scale switch at import: fp32 scales (NeMo RL's setting) unless the user chose otherwise first.
-    os.environ.setdefault(FP32_SCALES_ENV, "1")
     try:
         import transformer_engine.pytorch as te
     except ImportError:
@@ -62,19 +57,15 @@ def te_status() -> tuple[bool, str]:
 
 
 def te_block_recipe(pow2_scales: bool):
-    """TE's `Float8BlockScaling`, after checking that the imported TE applies the recipe's scale rule."""
-    from transformer_engine.common.recipe import Float8BlockScaling
+    """TE's `Float8BlockScaling` with the recipe's scale rule (fp32 or power-of-2 scales) for X, W and dY."""
+    from transformer_engine.common.recipe import Float8BlockScaling, QParams
 
-    te_pow2 = Float8BlockScaling.fp8_quant_fwd_weight.power_2_scale
-    if te_pow2 != pow2_scales:
-        raise RuntimeError(
-            f"TransformerEngine was imported with {FP32_SCALES_ENV}={os.environ.get(FP32_SCALES_ENV)!r} "
-            f"(pow2 scales: {te_pow2}) but FP8Recipe.pow2_scales={pow2_scales}. TE reads it once, at import: set "
-            f"{FP32_SCALES_ENV}={'0' if pow2_scales else '1'} before anything imports transformer_engine."
-        )
     if not pow2_scales and torch.cuda.get_device_capability()[0] >= 10:
         raise RuntimeError("on Blackwell, TransformerEngine runs this recipe as MXFP8: set FP8Recipe.pow2_scales=True")
-    return Float8BlockScaling()
+    recipe = Float8BlockScaling()
+    qparams = QParams(power_2_scale=pow2_scales, amax_epsilon=0.0)
+    recipe.fp8_quant_fwd_inp = recipe.fp8_quant_fwd_weight = recipe.fp8_quant_bwd_grad = qparams
+    return recipe
 
 
 @functools.cache
