@@ -46,8 +46,11 @@ def markdown(results) -> str:
         lines += ["", f"(c) quantization bandwidth (copy: {q['copy_bandwidth_gbs']:.0f} GB/s)", "",
                   "| kernel | GB/s | share of copy |", "|---|---|---|"]  # fmt: skip
         lines += [
-            f"| {k} | {v['bandwidth_gbs']:.0f} | {v['share_of_copy']:.0%} |" for k, v in q.items() if k[0] != "c"
+            f"| {k} | {v['bandwidth_gbs']:.0f} | {v['share_of_copy']:.0%} |"
+            for k, v in q.items()
+            if isinstance(v, dict) and "bandwidth_gbs" in v
         ]
+        lines += [f"\nAutotuned act quantizer, {k}: {v}" for k, v in q.get("act_kernel_autotuned", {}).items()]
     for key in ("train_step", "train_step_1seq"):
         if key not in results:
             continue

@@ -155,6 +155,11 @@ def bench_quantize(device, m, k, iters):
         n = w.numel() if name.startswith("weight") else elems
         t = timed(fn, device, iters=iters)
         rows[name] = dict(bandwidth_gbs=n * bytes_per_elem / t / 1e9, share_of_copy=n * bytes_per_elem / t / copy_bw)
+    if triton_status()[0] and device.type == "cuda":
+        from trl_fp8.quant.backends.triton_kernels import quant_act_kernel_tuned
+
+        # Which slicing won (CHUNK rows; pass 2 by row or column slices), per (K, WITH_T, dtypes) key.
+        rows["act_kernel_autotuned"] = {str(key): str(cfg) for key, cfg in quant_act_kernel_tuned.cache.items()}
     return rows
 
 

@@ -51,8 +51,21 @@ def _unpadded(q, s, qt, st, m):
     return q[:m], s[:m], qt, st
 
 
+@pytest.fixture(
+    params=[None, {"CHUNK": 32, "T_COLS": False}, {"CHUNK": 64, "T_COLS": True}],
+    ids=["default", "t_by_row_slices", "t_by_column_slices"],
+)
+def act_config(request, monkeypatch):
+    """The act quantizer as it runs (autotuned on a GPU), and each way its pass 2 can walk a tile, which the
+    autotuner chooses between: every one must give the reference's bits."""
+    from trl_fp8.quant.backends import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "FORCE_ACT_CONFIG", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 130), (130, 128)])
-def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape):
+def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape, act_config):
     x = _on_grid(*shape, seed=shape[0]).to(DEVICE)
     padded = fast_act(x, pow2_scales=True, with_t=True)
     q, s, qt, st = _unpadded(*padded, shape[0])
@@ -68,7 +81,7 @@ def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape):
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-def test_fused_act_quantization_matches_reference_on_random_inputs(pow2):
+def test_fused_act_quantization_matches_reference_on_random_inputs(pow2, act_config):
     torch.manual_seed(0)
     x = (torch.randn(384, 260) * torch.logspace(-3, 3, 384)[:, None]).to(DEVICE, torch.bfloat16)
     x[5, :128] = 0  # an all-zero block: scale 1

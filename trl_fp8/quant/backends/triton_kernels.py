@@ -45,10 +45,11 @@ def _cast(x, scale):
 def quant_act_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr,
     M, K, M_Q, M_T, stride_xm, stride_xk, stride_sm, stride_sk, stride_stk, stride_stm,
-    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, T_COLS: tl.constexpr,
 ):  # fmt: skip
     # One program per 128x128 tile of X, walked in CHUNK-row slices so that few registers are live and many tiles
-    # are in flight per SM (a whole fp32 tile per program is latency-bound at ~40% of copy bandwidth).
+    # are in flight per SM (a whole fp32 tile per program is latency-bound at ~40% of copy bandwidth). The autotuner
+    # picks CHUNK and how pass 2 walks the tile (T_COLS).
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     # int64 offsets: M * K passes 2**31 at long contexts.
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -67,7 +68,21 @@ def quant_act_kernel(
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M_Q)
         amax_c = tl.maximum(amax_c, tl.max(ax, axis=0))
     tl.atomic_max(amax_ptr, tl.max(amax_c, axis=0))
-    if WITH_T:
+    if WITH_T and T_COLS:
+        # Pass 2, column-wise usage Xᵀ (K, M), in CHUNK-column slices of all 128 rows (read again, from L2): each
+        # slice holds its columns' whole 128-token blocks, so it scales them itself, and each column of X becomes a
+        # 128-byte row of Xᵀ, written in one coalesced line (row slices write CHUNK bytes per column).
+        rows = pid_m.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        for c in tl.static_range(BLOCK // CHUNK):
+            cs = pid_k.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+            mask = (rows[:, None] < M) & (cs[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cs[None, :] * stride_xk, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            scale_c = _scale(tl.max(tl.abs(x), axis=0), POW2)
+            t_mask = (cs[:, None] < K) & (rows[None, :] < M_T)
+            tl.store(qt_ptr + cs[:, None] * M_T + rows[None, :], tl.trans(_cast(x, scale_c[None, :])), mask=t_mask)
+            tl.store(st_ptr + cs * stride_stk + pid_m * stride_stm, tl.math.div_rn(1.0, scale_c), mask=cs < K)
+    if WITH_T and not T_COLS:
         # Pass 2, column-wise usage Xᵀ (K, M): one scale per column of X and 128 rows, written transposed. The
         # slices are read again, from L2.
         scale_c = _scale(amax_c, POW2)
@@ -111,9 +126,14 @@ def quant_weight_kernel(
 
 
 # Keyed without the token count M, which changes every RL step: one tuning per hidden size, not per batch.
-_QUANT_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))]
-quant_act_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K", "WITH_T"])(quant_act_kernel)
+_CHUNKS = ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))
+_QUANT_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _CHUNKS]
+_ACT_CONFIGS = [triton.Config({"CHUNK": c, "T_COLS": t}, num_warps=w) for c, w in _CHUNKS for t in (False, True)]
+quant_act_kernel_tuned = triton.autotune(configs=_ACT_CONFIGS, key=["K", "WITH_T"])(quant_act_kernel)
 quant_weight_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K"])(quant_weight_kernel)
+# One config instead of autotuning: what Triton's CPU interpreter runs, and what tests set to check each variant.
+ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
+FORCE_ACT_CONFIG: dict | None = None
 
 
 @triton.jit
@@ -208,8 +228,9 @@ def quantize_act(
         st.stride(0),
         st.stride(1),
     )
-    if _interpreting():
-        quant_act_kernel[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, CHUNK=32)
+    if _interpreting() or FORCE_ACT_CONFIG is not None:
+        config = FORCE_ACT_CONFIG or ACT_CONFIG
+        quant_act_kernel[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
     else:
         quant_act_kernel_tuned[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
     return (q, s, qt, st, amax) if with_t else (q, s, None, None, amax)
