@@ -9,6 +9,7 @@ from datasets import Dataset
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
+from trl_fp8.generation.reference import ReferenceEngine
 from trl_fp8.quant import FP8Linear, W8A8Linear, quantize_blockwise
 
 
@@ -139,6 +140,12 @@ def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
     )
     engine = trainer.vllm_generation
     assert (engine.generation_config.top_k, engine.generation_config.max_new_tokens) == (5, 3)
+    # Completions are cut where generate() stops, also when generation_kwargs name other stop tokens.
+    other_eos = ReferenceEngine(
+        trainer.model, trainer.accelerator, FP8Recipe(), fp8=True, dtype=torch.float32, eos_token_ids=[2],
+        pad_token_id=0, generation_kwargs={"eos_token_id": 7},
+    )  # fmt: skip
+    assert other_eos.eos_token_ids == [7]
     train_and_check(trainer)
     engine.sync_weights()
     sampler, learner = engine.sampler, trainer.model
@@ -251,6 +258,8 @@ def test_config_defaults_and_contradictions(tmp_path):
         )
     with pytest.raises(ValueError, match=r"fp8_recipe: unknown FP8Recipe fields \['blocks'\]"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe={"blocks": 3})
+    with pytest.raises(ValueError, match=r"generation_kwargs\['num_return_sequences'\] is set by .*num_generations"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"num_return_sequences": 2})
     with pytest.raises(ValueError, match=r"fp8_recipe: expected an FP8Recipe, a dict .* got int 123"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe=123)
     # The samplers take 128x128 blocks only: refused here, not at the first weight sync after loading everything.
@@ -276,6 +285,18 @@ def test_a_backend_that_cannot_run_here_is_refused_before_anything_changes(tmp_p
         )  # fmt: skip
     assert not any(type(m).__name__ == "FP8Linear" for m in model.modules()) and not hasattr(model, "fp8_recipe")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_sharded_parameters_are_refused_at_start(tmp_path, demo_tokenizer, monkeypatch):
+    """FSDP (from TrainingArguments or `accelerate launch`'s environment): refused before GRPOTrainer builds anything,
+    naming what works instead. (ZeRO-3 takes the same path through transformers' `is_deepspeed_zero3_enabled`, but
+    needs deepspeed, which this project does not install.)"""
+    kwargs = dict(reward_funcs=digit_reward, train_dataset=make_dataset(8), processing_class=demo_tokenizer)
+    with pytest.raises(NotImplementedError, match=r"does not support FSDP yet.*ZeRO-2"):
+        FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path, fsdp="full_shard"), **kwargs)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(NotImplementedError, match=r"does not support FSDP yet"):
+        FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path), **kwargs)
 
 
 def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):

@@ -52,6 +52,33 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
     return model
 
 
+# generate() arguments the reference engine sets itself, with what to set instead.
+RESERVED_GENERATION_KWARGS = {
+    "output_scores": "nothing: the engine returns the sampled tokens' processed log-probs itself",
+    "return_dict_in_generate": "nothing: the engine returns the sampled tokens' processed log-probs itself",
+    "num_return_sequences": "FP8GRPOConfig.num_generations (TRL samples each prompt that many times)",
+    "pad_token_id": "the tokenizer's pad token (TRL pads completions with it)",
+    "num_beams": "nothing: GRPO samples, and beam scores are not the sampler's token probabilities",
+}
+
+
+def refuse_reserved(field: str, user_kwargs: dict | None, reserved: dict[str, str]) -> dict:
+    """Refuses the keys of config field `field` that an engine sets itself, naming what to set instead; returns a
+    copy."""
+    user_kwargs = dict(user_kwargs or {})
+    for key in user_kwargs:
+        if key in reserved:
+            raise ValueError(
+                f"{field}[{key!r}] is set by FP8GRPOTrainer's sampling engine; use {reserved[key]} instead."
+            )
+    return user_kwargs
+
+
+def check_generation_kwargs(generation_kwargs: dict | None) -> dict:
+    """Refuses `generation_kwargs` keys the reference engine owns; returns a copy."""
+    return refuse_reserved("generation_kwargs", generation_kwargs, RESERVED_GENERATION_KWARGS)
+
+
 def left_pad(ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)` of token-id lists, padded on the left as decoder-only generation wants."""
     rows = [torch.tensor(x, dtype=torch.long) for x in ids]
@@ -131,10 +158,12 @@ class ReferenceEngine(LearnerStream):
         )
         # As in TRL, `generation_kwargs` override the sampling parameters; the scores are the engine's own.
         self.generation_config = GenerationConfig(
-            **{**sampling, **(generation_kwargs or {})},
+            **{**sampling, **check_generation_kwargs(generation_kwargs)},
             output_scores=True,  # the processed logits, for the sampled tokens' log-probs
             return_dict_in_generate=True,
         )
+        eos = self.generation_config.eos_token_id  # completions end where generate() stops
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         if kv_cache:
             # vLLM's checkpoint names; -1 marks "never received", so a missing scale can never pass as 1.0.
             for name in self._attn_names:

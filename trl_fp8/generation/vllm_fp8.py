@@ -27,6 +27,7 @@ from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from ..quant.export import stream_nbytes
+from .reference import refuse_reserved
 from .stream import LearnerStream
 from .vllm_layout import check_vllm_fp8_layers
 
@@ -54,12 +55,7 @@ RESERVED_LLM_KWARGS = {
 
 def check_llm_kwargs(user_kwargs: dict | None) -> dict:
     """Refuses `vllm_llm_kwargs` keys the engine owns, naming what to set instead; returns a copy."""
-    user_kwargs = dict(user_kwargs or {})
-    for key in user_kwargs:
-        if key in RESERVED_LLM_KWARGS:
-            raise ValueError(
-                f"vllm_llm_kwargs[{key!r}] is set by FP8GRPOTrainer; use {RESERVED_LLM_KWARGS[key]} instead."
-            )
+    user_kwargs = refuse_reserved("vllm_llm_kwargs", user_kwargs, RESERVED_LLM_KWARGS)
     hf_overrides = user_kwargs.get("hf_overrides")
     if hf_overrides is not None and not isinstance(hf_overrides, dict):
         raise ValueError(

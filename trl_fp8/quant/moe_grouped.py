@@ -35,7 +35,7 @@ def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertGroups
     stalls the CPU that queues the kernels."""
     pairs, k = top_k_index.numel(), top_k_index.shape[1]
     device = top_k_index.device
-    flat = top_k_index.flatten().clamp(max=num_experts)
+    flat = top_k_index.flatten().long().clamp(max=num_experts)
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)

@@ -151,6 +151,10 @@ class FP8GRPOConfig(GRPOConfig):
                 f"fp8_recipe.weight_block_size {self._fp8_recipe.weight_block_size} needs fp8_generation=False: the "
                 "FP8 samplers (vLLM's block-FP8 kernels and the reference engine) take 128x128 weight blocks only"
             )
+        if not self.use_vllm and isinstance(self.generation_kwargs, dict):
+            from ..generation.reference import check_generation_kwargs
+
+            check_generation_kwargs(self.generation_kwargs)
         if self.fp8_save_format not in ("bf16", "fp8"):
             raise ValueError(f"fp8_save_format must be 'bf16' or 'fp8', got {self.fp8_save_format!r}")
         if self.fp8_kv_cache and not self.fp8_generation:

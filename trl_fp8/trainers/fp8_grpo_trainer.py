@@ -66,6 +66,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 "FP8GRPOTrainer does not support PEFT models yet (peft_config / a PeftModel): the FP8 sampler would "
                 "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
             )
+        check_parameters_unsharded(args)
         recipe = args.resolved_fp8_recipe
         if args.fp8_training:
             check_backend_runs_here(recipe, args.device)
@@ -308,6 +309,22 @@ def _engine_class(engine_class):
         yield
     finally:
         trl_grpo.VLLMGeneration = original
+
+
+def check_parameters_unsharded(args: FP8GRPOConfig) -> None:
+    """Refuses FSDP and DeepSpeed ZeRO-3 at start: each process quantizes and streams whole parameters to its
+    sampler, and does not gather sharded ones (ZeRO-1/2 shard optimizer state only, and work)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    what = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else None
+    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        what = "FSDP"
+    if what is not None:
+        raise NotImplementedError(
+            f"FP8GRPOTrainer does not support {what} yet: the FP8 weight sync streams whole parameters and does not "
+            "gather sharded ones. Use DeepSpeed ZeRO-2 (examples/accelerate_configs/zero2_8gpu.yaml), as the recipes "
+            "do, or plain data parallelism."
+        )
 
 
 def check_backend_runs_here(recipe, device: torch.device) -> None:
