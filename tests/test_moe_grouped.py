@@ -110,6 +110,7 @@ def test_grouped_experts_match_the_per_expert_path(build):
     # Index num_experts: a dropped pair (capacity-limited routers), which both paths skip.
     top_k_index = torch.randint(0, experts.num_experts + 1, (tokens, 2), device=DEVICE)
     top_k_weights = torch.rand(tokens, 2, device=DEVICE)
+    top_k_weights[top_k_index == experts.num_experts] = float("inf")  # a dropped pair's weight counts for nothing
     outputs, syncs = [], []
     for module, run in ((experts, experts.forward), (looped, looped.forward_per_expert)):
         xi = x.clone().requires_grad_()

@@ -109,5 +109,8 @@ def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     gate, up = linear(x, "gate_up_proj").chunk(2, dim=-1)
     # Padding rows stay zero through act(0) * 0 for the activations MoE models use (SiLU, GELU).
     y = linear(experts.act_fn(gate) * up, "down_proj")
-    y = y[groups.dest] * top_k_weights[groups.token, groups.pos, None]
+    weights = top_k_weights[groups.token, groups.pos, None]
+    # Dropped pairs' rows are zeros; whatever their weight (0 * inf is NaN), they count for nothing, as in the loop.
+    weights = torch.where(top_k_index[groups.token, groups.pos, None] < experts.num_experts, weights, 0)
+    y = y[groups.dest] * weights
     return torch.zeros_like(hidden_states).index_add(0, groups.token, y.to(hidden_states.dtype))
