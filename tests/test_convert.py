@@ -104,3 +104,42 @@ def test_recipe_from_dict_rejects_unknown_fields():
     assert FP8Recipe.from_any({"pow2_scales": True}).pow2_scales
     with pytest.raises(ValueError, match=r"expected an FP8Recipe, a dict .* got list \[128, 128\]"):
         FP8Recipe.from_any([128, 128])
+
+
+def test_multimodal_models_convert_their_text_decoder_only():
+    """Gemma 3 (4B and up) loads as Gemma3ForConditionalGeneration, whose vision tower also has `layers.{i}`: only
+    the text decoder (transformers' `get_decoder()`) is converted, and `num_last_layers_in_bf16` counts its blocks."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(tiny_config_kwargs(num_hidden_layers=3), sliding_window=16)
+    vision = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, image_size=32)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(
+        Gemma3Config(text_config=text, vision_config=dict(vision, patch_size=8), mm_tokens_per_image=4)
+    )
+    convert_to_fp8(model, FP8Recipe(num_last_layers_in_bf16=1))
+    converted = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    assert converted and all(n.startswith("model.language_model.layers.") for n in converted)
+    assert {n.split(".")[3] for n in converted} == {"0", "1"}  # the text model's last block stays in BF16
+
+
+def test_a_model_without_layer_blocks_is_refused_and_untouched():
+    """GPT-2-style blocks (`transformer.h.{i}`) would convert nothing and train in BF16 while claiming FP8."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    model = GPTBigCodeForCausalLM(GPTBigCodeConfig(vocab_size=160, n_embd=256, n_layer=2, n_head=4, n_inner=512))
+    with pytest.raises(ValueError, match=r"found no decoder blocks in GPTBigCodeForCausalLM.*`h.\{i\}`"):
+        convert_to_fp8(model)
+    assert not hasattr(model, "fp8_recipe")
+
+
+def test_converting_again_needs_the_same_recipe():
+    model = convert_to_fp8(LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs())), FP8Recipe())
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert convert_to_fp8(model, FP8Recipe()) is model  # a no-op
+    assert [m for m in model.modules() if isinstance(m, FP8Linear)] == layers
+    with pytest.raises(
+        ValueError, match=r"already converted with FP8Recipe\(.*pow2_scales=False.*convert the original"
+    ):
+        convert_to_fp8(model, FP8Recipe(pow2_scales=True))
+    assert model.fp8_recipe == FP8Recipe() and all(not m.pow2_scales for m in layers)

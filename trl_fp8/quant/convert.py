@@ -1,7 +1,8 @@
 """`convert_to_fp8(model, recipe)`: swap the decoder blocks' linears for `FP8Linear` (and fused MoE experts for
 `FP8Experts`), in place, names unchanged.
 
-Only `nn.Linear` modules inside the decoder layers (`...layers.{i}...`) are candidates. Never converted: `lm_head`,
+Only `nn.Linear` modules inside the text decoder's blocks (`...layers.{i}...`, found with transformers'
+`get_decoder()`, so that a multimodal model's vision tower stays in high precision) are candidates. Never converted: `lm_head`,
 embeddings and norms (not linears, or outside the layers), MoE routers (`...mlp.gate`, `...router`), anything the
 recipe excludes, and layers whose dims are not multiples of the weight block (vLLM cannot serve them in block FP8;
 they stay in high precision, with one warning that lists them).
@@ -34,22 +35,50 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith(f".{pattern}") or f".{pattern}." in f".{name}."
 
 
+def decoder_layers(model: nn.Module) -> tuple[str | None, int | None]:
+    """`(prefix, count)` of the text decoder's block list (`"model.layers"`, `"model.language_model.layers"` in
+    multimodal models, whose vision tower has `layers` too), from transformers' `get_decoder()`; `(None, None)` for
+    a model that does not say, whose blocks are then any `...layers.{i}`."""
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:  # not every model implements it
+        decoder = None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return None, None
+    for name, module in model.named_modules():
+        if module is layers:
+            return name, len(layers)
+    return None, None
+
+
+def _layer_of(name: str, prefix: str | None) -> int | None:
+    """The decoder block index of module `name`, or None outside the decoder's blocks."""
+    if prefix is not None:
+        if not name.startswith(f"{prefix}."):
+            return None
+        name = name[len(prefix) - len("layers") :]
+    match = _LAYER_RE.search(name)
+    return None if match is None else int(match.group(1))
+
+
 def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     """Returns `(names to convert, names kept in high precision because of their dims)`, in module order."""
+    prefix, num_layers = decoder_layers(model)
     candidates = []
     for name, module in model.named_modules():
         parts = name.split(".")
         # PEFT adapters (lora_A/lora_B) stay in high precision; their frozen base_layer is converted.
         if not isinstance(module, nn.Linear) or "lm_head" in parts or any(p.startswith("lora_") for p in parts):
             continue
-        match = _LAYER_RE.search(name)
-        if match is None or _ROUTER_RE.search(name):
+        layer = _layer_of(name, prefix)
+        if layer is None or _ROUTER_RE.search(name):
             continue
-        candidates.append((name, module, int(match.group(1))))
+        candidates.append((name, module, layer))
     if not candidates:
         return [], []
-    config = getattr(model, "config", None)
-    num_layers = getattr(config, "num_hidden_layers", None) or max(i for _, _, i in candidates) + 1
+    num_layers = num_layers or _config_layers(model) or max(i for _, _, i in candidates) + 1
     first, last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
     block_n, block_k = recipe.weight_block_size
     selected, misaligned = [], []
@@ -69,14 +98,14 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     """Like `select_fp8_linears`, for transformers' fused MoE experts (`gate_up_proj` (E, 2I, H), `down_proj`)."""
     from .moe import is_fused_experts
 
-    config = getattr(model, "config", None)
+    prefix, num_layers = decoder_layers(model)
+    candidates = [(n, m, _layer_of(n + ".", prefix)) for n, m in model.named_modules() if is_fused_experts(m)]
+    candidates = [(n, m, layer) for n, m, layer in candidates if layer is not None]
+    if not candidates:
+        return [], []
+    num_layers = num_layers or _config_layers(model) or max(i for _, _, i in candidates) + 1
     selected, misaligned = [], []
-    for name, module in model.named_modules():
-        match = _LAYER_RE.search(name + ".")
-        if match is None or not is_fused_experts(module):
-            continue
-        layer = int(match.group(1))
-        num_layers = getattr(config, "num_hidden_layers", None) or layer + 1
+    for name, module, layer in candidates:
         if layer < recipe.num_first_layers_in_bf16 or layer >= num_layers - recipe.num_last_layers_in_bf16:
             continue
         if any(_matches(name, p) for p in recipe.modules_to_not_convert):
@@ -89,6 +118,13 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     return selected, misaligned
 
 
+def _config_layers(model: nn.Module) -> int | None:
+    """The text model's `num_hidden_layers` (multimodal configs keep it in their text config)."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "num_hidden_layers", None)
+
+
 def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
     """Converts `model`'s decoder-layer linears to `FP8Linear` in place and returns `model`.
 
@@ -99,7 +135,9 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             The recipe; defaults to `FP8Recipe()`.
 
     Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
-    Converting an already converted model is a no-op for the modules already in FP8. With `backend="te"` (or
+    Converting an already converted model again with the same recipe is a no-op; with another recipe, or a model
+    without `...layers.{i}` blocks, it raises before changing anything. In multimodal models only the text decoder
+    (transformers' `get_decoder()`) is converted. With `backend="te"` (or
     `"auto"` on a GPU where TransformerEngine runs the recipe), the linears become TransformerEngine linears
     instead (weights copied, names unchanged); fused MoE experts always use `FP8Experts`. With the recipe's
     `fuse_siblings`, q/k/v and gate/up then run as one stacked GEMM each (`trl_fp8.quant.siblings`).
@@ -108,6 +146,19 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
     from .moe import FP8Experts
 
     recipe = FP8Recipe.from_any(recipe)
+    previous = getattr(model, "fp8_recipe", None)
+    if previous is not None and previous != recipe:
+        # Converted modules keep their recipe: mixing two would leave `fp8_recipe` (and what vLLM is told) wrong.
+        raise ValueError(
+            f"{type(model).__name__} was already converted with {previous}; convert the original model to use {recipe}"
+        )
+    prefix, _ = decoder_layers(model)
+    if not any(_layer_of(name, prefix) is not None for name, _ in model.named_modules()):
+        raise ValueError(
+            f"trl-fp8 found no decoder blocks in {type(model).__name__}: it converts the linears of blocks named "
+            "`...layers.{i}` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, DeepSeek, ...), and this model names "
+            "them otherwise (e.g. GPT-2-style `h.{i}`), so nothing would run in FP8."
+        )
     selected, misaligned = select_fp8_linears(model, recipe)
     experts, misaligned_experts = select_fp8_experts(model, recipe)
     misaligned += misaligned_experts

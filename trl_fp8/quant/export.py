@@ -133,7 +133,8 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     tensors = dict(iter_fp8_state(model, None if converted else recipe))
     fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]
     fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
-    kept = [n for n, m in model.named_modules() if type(m) is nn.Linear and n not in fp8_modules]
+    # nn.Linear subclasses too (Falcon's FalconLinear): whatever is not in FP8 must be listed for the loader.
+    kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in fp8_modules]
     os.makedirs(save_directory, exist_ok=True)
     save_file(
         # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.

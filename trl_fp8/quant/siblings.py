@@ -12,6 +12,11 @@ weight, activation or gradient block straddles two siblings and every quantizati
 have made alone (the tests hold the two paths together). A sibling called with another input (or grad mode, or
 version of it) than its siblings' pending outputs were computed for runs the stacked GEMM anew: any call order stays
 correct, and causal LMs call q, k, v (gate, up) on one tensor in a row.
+
+What does differ is summation order: the one dgrad sums the siblings' input gradients in fp32 and rounds once. In an
+fp32 model gradients then agree with running each linear alone to > 50 dB; in a BF16 model, where each linear alone
+rounds its dX to BF16 before autograd adds them, the ulp of difference moves later dY quantizations to neighbouring
+E4M3 values and the two agree only at FP8's noise level, both equally close to fp32 gradients (tested).
 """
 
 import copy
