@@ -31,8 +31,8 @@ def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertGroups
     No host sync: the buffer is sized for the worst case, `T * k` pairs plus 127 padding rows for each expert and
     for the dropped pairs (index `num_experts`, which some models use and transformers' loop skips). Dropped pairs
     and the tail past the last expert sit in tiles of expert `num_experts`, which the grouped kernels give zero
-    outputs, so they add nothing. Sizing the buffer exactly would cost two syncs per MoE layer and pass, and each
-    stalls the CPU that queues the kernels."""
+    outputs, so they add nothing. Sizing the buffer exactly took host syncs in every MoE layer and pass (boolean
+    masks, `bincount`, `repeat_interleave`, an `int()`), each stalling the CPU that queues the kernels."""
     pairs, k = top_k_index.numel(), top_k_index.shape[1]
     device = top_k_index.device
     flat = top_k_index.flatten().long().clamp(max=num_experts)
