@@ -160,8 +160,9 @@ def test_torch_backend_linear_matches_emulated(tokens):
     assert sqnr_db(xs.grad, xf.grad) > 35 and sqnr_db(slow.weight.grad, fast.weight.grad) > 35
 
 
-def test_no_grad_forwards_skip_the_wgrad_quantization(monkeypatch):
-    """TRL's old-logprob and reference forwards run under no_grad: they must not pay for Xᵀ (wgrad's operand)."""
+@pytest.fixture
+def act_quantizations(monkeypatch) -> list[bool]:
+    """Every activation quantization of the emulated backend, as its `with_t` flag (whether Xᵀ was made too)."""
     calls = []
     original = emulated.quantize_act
 
@@ -170,6 +171,11 @@ def test_no_grad_forwards_skip_the_wgrad_quantization(monkeypatch):
         return original(x2d, pow2_scales, with_t)
 
     monkeypatch.setattr(emulated, "quantize_act", spy)
+    return calls
+
+
+def test_no_grad_forwards_skip_the_wgrad_quantization(act_quantizations):
+    """TRL's old-logprob and reference forwards run under no_grad: they must not pay for Xᵀ (wgrad's operand)."""
     _, fp8 = make_layer()
     x = torch.randn(4, 384)
     with torch.no_grad():
@@ -177,7 +183,7 @@ def test_no_grad_forwards_skip_the_wgrad_quantization(monkeypatch):
     y = fp8(x)
     y.sum().backward()
     # no-grad forward: X only; training forward: X and Xᵀ; backward: dY and dYᵀ.
-    assert calls == [False, True, True]
+    assert act_quantizations == [False, True, True]
     assert torch.equal(y_inference, y.detach())
 
 
@@ -209,43 +215,35 @@ def test_fp8_adds_no_host_sync_to_a_training_step(backend):
     assert syncs(convert=True) == syncs(convert=False)
 
 
-def test_siblings_reading_one_input_share_its_quantization(monkeypatch):
+def test_siblings_reading_one_input_share_its_quantization(act_quantizations):
     """q, k and v read the same X: it is quantized once for the three (and their wgrads share one saved Xᵀ), with
     outputs and gradients bit-identical to quantizing it three times; an in-place change of X re-quantizes."""
-    calls = []
-    original = emulated.quantize_act
-
-    def spy(x2d, pow2_scales, with_t):
-        calls.append(with_t)
-        return original(x2d, pow2_scales, with_t)
-
-    monkeypatch.setattr(emulated, "quantize_act", spy)
     siblings = [make_layer(seed=seed)[1] for seed in range(3)]
 
     def run(share: bool):
-        calls.clear()
+        act_quantizations.clear()
         x = torch.randn(2, 5, 384, generator=torch.Generator().manual_seed(0)).requires_grad_()
         outs = [m(x if share else x.clone()) for m in siblings]
         sum(o.pow(2).sum() for o in outs).backward()
         grads = [x.grad] + [p.grad.clone() for m in siblings for p in (m.weight, m.bias)]
         for m in siblings:
             m.zero_grad()
-        return outs, grads, list(calls)
+        return outs, grads, list(act_quantizations)
 
-    shared_outs, shared_grads, shared_calls = run(share=True)
-    outs, grads, separate_calls = run(share=False)
-    assert shared_calls == [True] + [True] * 3  # X once, then dY per sibling in backward
-    assert separate_calls == [True] * 6
+    shared_outs, shared_grads, shared_quantizations = run(share=True)
+    outs, grads, separate_quantizations = run(share=False)
+    assert shared_quantizations == [True] + [True] * 3  # X once, then dY per sibling in backward
+    assert separate_quantizations == [True] * 6
     assert all(torch.equal(a, b) for a, b in zip(shared_outs + shared_grads, outs + grads, strict=True))
 
-    calls.clear()
+    act_quantizations.clear()
     x = torch.randn(4, 384)
     with torch.no_grad():
         siblings[0](x)
         x.mul_(2)  # a new version of X: its old quantization must not be reused
         second = siblings[1](x)
         expected = siblings[1](x.clone())
-    assert calls == [False, False, False] and torch.equal(second, expected)
+    assert act_quantizations == [False, False, False] and torch.equal(second, expected)
 
 
 def test_inference_mode_forward():
