@@ -55,19 +55,22 @@ def _unpadded(q, s, qt, st, m):
     params=[None, {"CHUNK": 32, "T_COLS": False}, {"CHUNK": 64, "T_COLS": True}],
     ids=["default", "t_by_row_slices", "t_by_column_slices"],
 )
-def act_config(request, monkeypatch):
-    """The act quantizer as it runs (autotuned on a GPU), and each way its pass 2 can walk a tile, which the
-    autotuner chooses between: every one must give the reference's bits."""
-    from trl_fp8.quant.backends import triton_kernels
+def act(request):
+    """The act quantizer as it runs (autotuned on a GPU), and each way its pass 2 can walk a tile, between which the
+    autotuner chooses: every one must give the reference's bits."""
+    if request.param is None:
+        return fast_act
+    from trl_fp8.quant.backends.triton_kernels import quantize_act
 
-    monkeypatch.setattr(triton_kernels, "FORCE_ACT_CONFIG", request.param)
-    return request.param
+    return lambda x, pow2_scales, with_t: quantize_act(
+        x, pow2_scales=pow2_scales, with_t=with_t, config=request.param
+    )[:4]
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 130), (130, 128)])
-def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape, act_config):
+def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape, act):
     x = _on_grid(*shape, seed=shape[0]).to(DEVICE)
-    padded = fast_act(x, pow2_scales=True, with_t=True)
+    padded = act(x, pow2_scales=True, with_t=True)
     q, s, qt, st = _unpadded(*padded, shape[0])
     rq, rs = quantize_blockwise(x, (1, 128), pow2_scales=True)
     rqt, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=True)
@@ -75,17 +78,17 @@ def test_fused_act_quantization_is_bit_exact_on_grid_inputs(shape, act_config):
     assert torch.equal(_codes(qt), _codes(rqt)) and torch.equal(st, rst)
     # Scales come out column-major (outer-dim-major), the layout block-scaled GEMMs read.
     assert padded[1].stride() == (1, padded[0].shape[0]) and st.stride() == (1, shape[1])
-    q2, s2, none_q, none_s = fast_act(x, pow2_scales=True, with_t=False)
+    q2, s2, none_q, none_s = act(x, pow2_scales=True, with_t=False)
     assert torch.equal(_codes(_unpadded(q2, s2, None, None, shape[0])[0]), _codes(rq))
     assert none_q is None and none_s is None
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-def test_fused_act_quantization_matches_reference_on_random_inputs(pow2, act_config):
+def test_fused_act_quantization_matches_reference_on_random_inputs(pow2, act):
     torch.manual_seed(0)
     x = (torch.randn(384, 260) * torch.logspace(-3, 3, 384)[:, None]).to(DEVICE, torch.bfloat16)
     x[5, :128] = 0  # an all-zero block: scale 1
-    q, s, qt, st = _unpadded(*fast_act(x, pow2_scales=pow2, with_t=True), x.shape[0])
+    q, s, qt, st = _unpadded(*act(x, pow2_scales=pow2, with_t=True), x.shape[0])
     rq, rs = quantize_blockwise(x, (1, 128), pow2_scales=pow2)
     rqt, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=pow2)
     # Scales depend on the block amax alone, through a correctly rounded division: bit-exact on any machine.

@@ -134,9 +134,8 @@ _ACT_CONFIGS = [triton.Config({"CHUNK": c, "T_COLS": False}, num_warps=w) for c,
 ]
 quant_act_kernel_tuned = triton.autotune(configs=_ACT_CONFIGS, key=["K", "WITH_T"])(quant_act_kernel)
 quant_weight_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K"])(quant_weight_kernel)
-# One config instead of autotuning: what Triton's CPU interpreter runs, and what tests set to check each variant.
-ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
-FORCE_ACT_CONFIG: dict | None = None
+# What Triton's CPU interpreter runs instead of autotuning.
+INTERPRETER_ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
 
 
 @triton.jit
@@ -193,7 +192,7 @@ def _interpreting() -> bool:
 
 
 def quantize_act(
-    x: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = True
+    x: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = True, config: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """X (M, K) -> `(q, scale_inv, qt, scale_inv_t, amax)`: X in 1x128 blocks along K, Xᵀ in 1x128 blocks along M
     (when `with_t`), and the amax of X as a 1-element tensor. Values equal `quantize_blockwise`'s.
@@ -231,8 +230,9 @@ def quantize_act(
         st.stride(0),
         st.stride(1),
     )
-    if _interpreting() or FORCE_ACT_CONFIG is not None:
-        config = FORCE_ACT_CONFIG or ACT_CONFIG
+    if config is None and _interpreting():
+        config = INTERPRETER_ACT_CONFIG
+    if config is not None:  # one kernel config (`CHUNK`, `T_COLS`) instead of the autotuner's pick
         quant_act_kernel[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
     else:
         quant_act_kernel_tuned[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
