@@ -2,6 +2,7 @@
 refused keys, the version range, vLLM's block-FP8 layout against the export stream, the TP rule, stream validation,
 the refit call sequence); the end-to-end run needs vLLM and a GPU (`-m vllm`)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config_kwargs, tiny_grpo_args, tiny_policy
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.task import digit_count_reward
@@ -46,6 +47,8 @@ def _config(**kwargs) -> FP8GRPOConfig:
 
 def _model(cls_config, cls_model, **overrides):
     torch.manual_seed(0)
+    if cls_config is Phi3Config:  # its default special tokens (32000) lie outside the tiny vocabulary
+        overrides = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0) | overrides
     return cls_model(cls_config(**tiny_config_kwargs(**overrides))).eval()
 
 
@@ -154,27 +157,48 @@ def _load_like_vllm(stream: dict, layer, rank: int, tp: int) -> tuple[torch.Tens
     return torch.cat(weights), torch.cat(scales)
 
 
+def _split_fused_on_disk(stream: dict, layer, global_rows: tuple[int, ...]):
+    """vLLM's `_load_fused_module_from_checkpoint` for a module fused on the Hugging Face side (Phi-3's qkv_proj):
+    its rows cut into the parts at the config's global sizes, its block scales at offset / 128 rounded up; returns the
+    parts as stream entries and the layer as if its checkpoint had held them separately."""
+    weight, scale = stream[f"{layer.name}.weight"], stream[f"{layer.name}.weight_scale_inv"]
+    parts, offset = {}, 0
+    for part, rows in zip(layer.parts, global_rows, strict=True):
+        parts[f"{part}.weight"] = weight[offset : offset + rows]
+        parts[f"{part}.weight_scale_inv"] = scale[math.ceil(offset / 128) :][: math.ceil(rows / 128)]
+        offset += rows
+    assert offset == weight.shape[0]
+    return parts, dataclasses.replace(layer, shards=layer.parts)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize(
-    ("config_cls", "model_cls"), [(LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM)]
+    ("config_cls", "model_cls"),
+    [(LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM), (Phi3Config, Phi3ForCausalLM)],
 )
 def test_export_stream_fills_vllm_block_fp8_parameters(config_cls, model_cls, tp):
     """The stream's per-module pairs compose, through vLLM's fusing and TP slicing, into exactly the `weight` (N, K)
-    e4m3 and `weight_scale_inv` (ceil(N/128), ceil(K/128)) fp32 that `Fp8LinearMethod.create_weights` allocates."""
+    e4m3 and `weight_scale_inv` (ceil(N/128), ceil(K/128)) fp32 that `Fp8LinearMethod.create_weights` allocates.
+    Phi-3 holds q/k/v and gate/up fused already; vLLM cuts them into the same parts while loading."""
     model = _model(config_cls, model_cls, **TP_READY)
     recipe = FP8Recipe()
     check_vllm_fp8_layers(model, recipe, tp)
     convert_to_fp8(model, recipe)
     stream = dict(iter_fp8_state(model))
     layers = vllm_linears(model, tp)
+    global_rows = {layer.name: layer.output_partition_sizes for layer in vllm_linears(model, 1)}
     assert {layer.name.rsplit(".", 1)[1] for layer in layers} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     used = set()
     for layer in layers:
+        used |= {f"{s}.{suffix}" for s in layer.shards for suffix in ("weight", "weight_scale_inv")}
+        loaded, as_loaded = stream, layer
+        if layer.parts:
+            parts, as_loaded = _split_fused_on_disk(stream, layer, global_rows[layer.name])
+            loaded = stream | parts
         for rank in range(tp):
-            weight, scale = _load_like_vllm(stream, layer, rank, tp)
+            weight, scale = _load_like_vllm(loaded, as_loaded, rank, tp)
             assert weight.dtype == torch.float8_e4m3fn and tuple(weight.shape) == layer.weight_shape, layer.name
             assert scale.dtype == torch.float32 and tuple(scale.shape) == layer.scale_shape, layer.name
-        used |= {f"{s}.{suffix}" for s in layer.shards for suffix in ("weight", "weight_scale_inv")}
     fp8_tensors = {name for name, t in stream.items() if t.dtype == torch.float8_e4m3fn or "scale_inv" in name}
     assert used == fp8_tensors
     # Qwen2's q/k/v biases travel in high precision beside their FP8 weights.
@@ -195,6 +219,24 @@ def test_tp_block_shape_error_names_the_layer():
         check_vllm_fp8_layers(model, FP8Recipe(), 2)
     with pytest.raises(ValueError, match=r"fuses model.layers.0.self_attn.qkv_proj.*k_proj \(high precision\)"):
         check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["k_proj"]), 1)
+
+
+def test_tp_block_shape_error_names_the_part_of_a_module_fused_on_disk():
+    model = _model(Phi3Config, Phi3ForCausalLM)  # as above: k and v have 64 rows per rank at TP 2
+    assert check_vllm_fp8_layers(model, FP8Recipe(), 1) == []
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.self_attn.qkv_proj.*=2: output of the k part of .*qkv_proj per rank is 64"
+    ):
+        check_vllm_fp8_layers(model, FP8Recipe(), 2)
+    # Kept in high precision, it is named by its parts too: vLLM's `is_layer_skipped` expands a fused layer's name
+    # into q_proj/k_proj/v_proj (gate_proj/up_proj) and looks those up in ignored_layers.
+    ignored = check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["layers.1.self_attn.qkv_proj"]), 1)
+    assert ignored == [f"model.layers.1.self_attn.{p}" for p in ("qkv_proj", "q_proj", "k_proj", "v_proj")]
+    narrow_mlp = _model(Phi3Config, Phi3ForCausalLM, **TP_READY | dict(intermediate_size=384))  # gate: 192 per rank
+    with pytest.raises(
+        ValueError, match=r"output of the gate part of model.layers.0.mlp.gate_up_proj per rank is 192"
+    ):
+        check_vllm_fp8_layers(narrow_mlp, FP8Recipe(), 2)
 
 
 def test_moe_routers_and_high_precision_experts_are_ignored_by_vllm_and_streamed_per_expert():

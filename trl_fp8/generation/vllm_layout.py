@@ -32,6 +32,10 @@ FUSED = {
 }
 REPLICATED = ("fused_qkv_a_proj",)
 ROW_PARALLEL = ("o_proj", "down_proj")
+# Fused already on the Hugging Face side (Phi-3, Phi-4-mini): one module, which vLLM cuts into the same q/k/v or
+# gate/up shards by its config while loading (`_load_fused_module_from_checkpoint`, block scales at offset / 128), so
+# the same block rules hold for each part.
+PRE_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
 @dataclass
@@ -44,6 +48,7 @@ class VLLMLinear:
     input_size_per_partition: int
     output_partition_sizes: tuple[int, ...]  # each shard's rows on this rank
     tp_size: int
+    parts: tuple[str, ...] = ()  # what each of output_partition_sizes is, for messages (default: the shards)
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -64,10 +69,10 @@ class VLLMLinear:
         sizes = self.output_partition_sizes
         if tp_split or len(sizes) > 1:
             checked = sizes if tp_split else sizes[:-1]
-            bad = [(shard, n) for shard, n in zip(self.shards, checked, strict=False) if n % block_n]
+            bad = [(part, n) for part, n in zip(self.parts or self.shards, checked, strict=False) if n % block_n]
             if bad:
-                shard, n = bad[0]
-                return f"output of {shard} per rank is {n}, not a multiple of {block_n}"
+                part, n = bad[0]
+                return f"output of {part} per rank is {n}, not a multiple of {block_n}"
         return None
 
 
@@ -99,6 +104,15 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
         elif leaf in ROW_PARALLEL:
             k = module.in_features
             out.append(VLLMLinear(name, (name,), k, k // tp_size, (module.out_features,), tp_size))
+        elif leaf in PRE_FUSED:
+            parts = PRE_FUSED[leaf]
+            if leaf == "qkv_proj":
+                rows = tuple(attention[f"{p}_proj"] for p in parts)
+            else:
+                rows = (module.out_features // 2 // tp_size,) * 2
+            k = module.in_features
+            labels = tuple(f"the {p} part of {name}" for p in parts)
+            out.append(VLLMLinear(name, (name,), k, k, rows, tp_size, labels))
     return out
 
 
@@ -115,6 +129,9 @@ def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[st
             continue
         if isinstance(m, nn.Linear) and name not in fp8:
             kept.append(name)
+            parent, _, leaf = name.rpartition(".")
+            if leaf in PRE_FUSED:  # vLLM looks a fused layer up by its shards' names (`is_layer_skipped`)
+                kept.extend(f"{parent}.{part}_proj" for part in PRE_FUSED[leaf])
         elif is_router(name) and isinstance(getattr(m, "weight", None), torch.Tensor):
             kept.append(name)
         elif is_fused_experts(m) and name not in fp8_experts:
