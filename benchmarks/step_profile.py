@@ -96,10 +96,12 @@ def profile_summary(events, steps: int, wall_s: float, on_device: bool) -> dict:
                and "annotation" not in str(getattr(e, "activity_type", "") or "")]  # fmt: skip
     timed_events = []  # (name, category, microseconds)
     if kernels:
-        # The op that launched each kernel shares its correlation id; 0 means none (a Triton launch outside aten ops).
-        launchers = {e.id: e for e in cpu if e.id and getattr(e, "linked_correlation_id", 0) == 0}
+        # A kernel's id is the correlation id of the runtime call that launched it (cudaLaunchKernel, or Triton's
+        # cuLaunchKernelEx), a CPU event nested in the ops and scopes that made the call. CPU ops' ids are another
+        # numbering, so only runtime calls are keyed (`FunctionEvent` keeps no link from a kernel to its op).
+        launchers = {e.id: e for e in cpu if _RUNTIME_CALL.search(e.name)}
         for k in kernels:
-            op = launchers.get(getattr(k, "linked_correlation_id", 0) or None)
+            op = launchers.get(k.id)
             category = (scope_of(op) if op else None) or _match(_CATEGORY_RES, k.name) or (op_of(op) if op else None)
             timed_events.append((k.name, category or "other", _device_us(k)))
         # Busy is the union of kernel intervals: kernels on two streams at once are not twice busy.
