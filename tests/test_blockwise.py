@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_fp8.quant import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+from trl_fp8.quant import FP8_DTYPE, dequantize_blockwise, quantize_blockwise, quantize_per_token_group
 
 
 # All finite E4M3 values, sorted, with their bit patterns: the format's definition, independent of torch's cast.
@@ -92,6 +92,43 @@ def test_bit_exact_against_reference(shape, block, pow2):
     q_ref, s_ref = reference_quantize(x, block, pow2)
     assert_bits_equal(q, q_ref)
     torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+
+
+def reference_vllm_act_quantize(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's activation quantization, vLLM's `per_token_group_quant_fp8`, group by group in numpy float32:
+    s = max(amax, 1e-10) * fl32(1/448), with `use_ue8m0` (pow2 scales) rounded up to a power of two; codes are the
+    correctly rounded x / s, clamped to E4M3's range and rounded onto it."""
+    x = x.float().numpy()
+    rows, cols = x.shape
+    groups = math.ceil(cols / 128)
+    bits = np.zeros_like(x, dtype=np.uint8)
+    scale_inv = np.zeros((rows, groups), dtype=np.float32)
+    for r in range(rows):
+        for g in range(groups):
+            group = x[r, g * 128 : (g + 1) * 128]
+            s = np.float32(max(np.float32(np.abs(group).max()), np.float32(1e-10))) * np.float32(1 / 448)
+            if pow2:
+                mantissa, exponent = math.frexp(float(s))  # s = m * 2**e, m in [0.5, 1)
+                s = np.float32(math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent))
+            scale_inv[r, g] = s
+            for j, v in enumerate(group):
+                bits[r, g * 128 + j] = e4m3_round(float(np.float32(v) / s))
+    return torch.from_numpy(bits).view(FP8_DTYPE), torch.from_numpy(scale_inv)
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_sampler_act_quantization_bit_exact_against_reference(pow2):
+    x = many_scales(6, 300, (1, 128), seed=7)
+    x[0, :128] = 448.0 * 2.0**-5 * torch.linspace(-1, 1, 128)  # amax exactly 448 * 2**-5: s is a power of two as is
+    x[1, 128:256] = 0.0  # amax below eps
+    q, s = quantize_per_token_group(x, 128, pow2_scales=pow2)
+    q_ref, s_ref = reference_vllm_act_quantize(x, pow2)
+    assert_bits_equal(q, q_ref)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    if pow2:  # the learner's pow2 rule lands on the same grid (but at an fp32 rounding of 448 * 2**k)
+        _, s_learner = quantize_blockwise(x, (1, 128), pow2_scales=True)
+        nonzero = s_ref > 1e-10
+        torch.testing.assert_close(s[nonzero], s_learner[nonzero], atol=0, rtol=0)
 
 
 def test_block_amax_maps_to_448():

@@ -125,6 +125,24 @@ def test_sampler_holds_the_learners_fp8_weights_bit_for_bit(tmp_path, demo_token
     assert torch.equal(sampler.lm_head.weight, trainer.model.lm_head.weight.detach())
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_sampler_follows_the_recipes_scale_rule(tmp_path, demo_tokenizer, pow2):
+    """With pow2 scales the sampler quantizes activations onto powers of two too, as vLLM does under
+    `VLLM_USE_DEEP_GEMM_E8M0=1`, so end-to-end FP8 stays in agreement (token_mult_prob_error 1.02-1.04 here when
+    the sampler kept fp32 activation scales, as far apart as an FP8 sampler behind a high-precision learner)."""
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, fp8_recipe={"pow2_scales": pow2}),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    assert all(m.pow2_scales == pow2 for m in trainer.vllm_generation.sampler.modules() if isinstance(m, W8A8Linear))
+    trainer.train()
+    errors = [log["sampling/token_mult_prob_error"] for log in trainer.state.log_history if "loss" in log]
+    assert len(errors) == 2 and max(errors) < 1.005, errors
+
+
 def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
     """TRL loads models in fp32 and `bf16=True` runs the sampler in bf16: the learner's high-precision tensors are
     cast into it at each sync (FP8 codes and scales arrive exactly); `generation_kwargs` override the sampling

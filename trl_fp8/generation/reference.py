@@ -42,13 +42,18 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
             parent = model.get_submodule(parent_name)
             old = getattr(parent, child)
             new = W8A8Linear(
-                old.in_features, old.out_features, old.bias is not None, dtype=dtype, device=old.weight.device
+                old.in_features,
+                old.out_features,
+                old.bias is not None,
+                dtype=dtype,
+                device=old.weight.device,
+                pow2_scales=recipe.pow2_scales,
             )
             setattr(parent, child, new)
         for name in select_fp8_experts(model, recipe)[0]:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, child, W8A8Experts(getattr(parent, child), dtype=dtype))
+            setattr(parent, child, W8A8Experts(getattr(parent, child), dtype=dtype, pow2_scales=recipe.pow2_scales))
     return model
 
 

@@ -124,20 +124,21 @@ class FP8Experts(nn.Module):
 
 
 class _W8A8Expert(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype, device):
+    def __init__(self, hidden: int, intermediate: int, dtype, device, pow2_scales: bool):
         super().__init__()
-        self.gate_proj = W8A8Linear(hidden, intermediate, False, dtype=dtype, device=device)
-        self.up_proj = W8A8Linear(hidden, intermediate, False, dtype=dtype, device=device)
-        self.down_proj = W8A8Linear(intermediate, hidden, False, dtype=dtype, device=device)
+        kwargs = dict(dtype=dtype, device=device, pow2_scales=pow2_scales)
+        self.gate_proj = W8A8Linear(hidden, intermediate, False, **kwargs)
+        self.up_proj = W8A8Linear(hidden, intermediate, False, **kwargs)
+        self.down_proj = W8A8Linear(intermediate, hidden, False, **kwargs)
 
 
 class W8A8Experts(nn.ModuleList):
     """Sampler-side experts in vLLM's per-expert checkpoint names (`experts.{e}.gate_proj.weight`, ...)."""
 
-    def __init__(self, experts: nn.Module, dtype: torch.dtype):
+    def __init__(self, experts: nn.Module, dtype: torch.dtype, *, pow2_scales: bool = False):
         e, two_i, h = experts.gate_up_proj.shape
         device = experts.gate_up_proj.device
-        super().__init__([_W8A8Expert(h, two_i // 2, dtype, device) for _ in range(e)])
+        super().__init__([_W8A8Expert(h, two_i // 2, dtype, device, pow2_scales) for _ in range(e)])
         self.act_fn = experts.act_fn
 
     def forward(self, hidden_states, top_k_index, top_k_weights):

@@ -8,7 +8,14 @@ vLLM's `per_token_group_quant_fp8` does it, per token in groups of 128 along K:
     q = clamp(x / s, -448, 448).to(e4m3)
 
 which differs from the learner's `scale = 448 / amax` in the last bit of some scales: that is a real source of
-sampler/learner mismatch, and the importance-sampling correction is there for it.
+sampler/learner mismatch, and the importance-sampling correction is there for it. With the recipe's `pow2_scales`,
+vLLM runs DeepGEMM's E8M0 scales (`VLLM_USE_DEEP_GEMM_E8M0=1`, `use_ue8m0`), rounded up to a power of two:
+
+    s = 2**ceil(log2(max(amax, 1e-10) * (1 / 448)))
+
+which is the learner's pow2 rule but for an amax within an fp32 rounding of 448 * 2**k. Here the power of two is
+taken from the bits, exactly; vLLM's kernels take an fp32 `log2`, which can round an `s` a few ulps above a power of
+two down to it.
 """
 
 import math
@@ -22,12 +29,21 @@ from .blockwise import FP8_DTYPE, FP8_MAX, dequantize_blockwise
 VLLM_ACT_EPS = 1e-10
 
 
+def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """Rounds positive fp32 values up to a power of two: the exponent, plus one unless the mantissa bits are zero.
+    Non-finite values pass through."""
+    bits = s.view(torch.int32)
+    exponent = bits & 0x7F800000
+    up = torch.where((bits & 0x007FFFFF) != 0, exponent + (1 << 23), exponent)
+    return torch.where(torch.isfinite(s), up.view(torch.float32), s)
+
+
 @torch.no_grad()
 def quantize_per_token_group(
-    x: torch.Tensor, group_size: int = 128, *, eps: float = VLLM_ACT_EPS
+    x: torch.Tensor, group_size: int = 128, *, eps: float = VLLM_ACT_EPS, pow2_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's dynamic activation quantization: returns `(q, scale_inv)` with `scale_inv` of shape
-    `(..., ceil(K / group_size))`."""
+    `(..., ceil(K / group_size))`; `pow2_scales` rounds `scale_inv` up to a power of two (vLLM's `use_ue8m0`)."""
     k = x.shape[-1]
     pad = -k % group_size
     xf = x.to(torch.float32)
@@ -36,6 +52,8 @@ def quantize_per_token_group(
     xg = xf.reshape(*xf.shape[:-1], -1, group_size)
     amax = xg.abs().amax(dim=-1, keepdim=True).clamp_min(eps)
     scale_inv = amax * (1.0 / FP8_MAX)
+    if pow2_scales:
+        scale_inv = _pow2_ceil(scale_inv)
     q = (xg / scale_inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(xf.shape)[..., :k], scale_inv.squeeze(-1)
 
@@ -48,9 +66,19 @@ class W8A8Linear(nn.Module):
     values with fp32 accumulation (what Hopper's block-scaled GEMMs approximate with split accumulators).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device=None,
+        *,
+        pow2_scales: bool = False,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.pow2_scales = pow2_scales  # activation scales as vLLM quantizes them for the recipe (E8M0 with pow2)
         n_blocks, k_blocks = math.ceil(out_features / 128), math.ceil(in_features / 128)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale_inv", torch.ones(n_blocks, k_blocks, dtype=torch.float32, device=device))
@@ -67,7 +95,7 @@ class W8A8Linear(nn.Module):
         return self._w_dq[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq, x_scale_inv = quantize_per_token_group(x, 128)
+        xq, x_scale_inv = quantize_per_token_group(x, 128, pow2_scales=self.pow2_scales)
         x_dq = dequantize_blockwise(xq, x_scale_inv, (1, 128))
         with torch.autocast(x.device.type, enabled=False):
             # [..., K] @ [K, N] -> [..., N], accumulated in fp32
@@ -79,5 +107,5 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            "weight=e4m3 128x128, act=e4m3 1x128"
+            f"weight=e4m3 128x128, act=e4m3 1x128{', pow2 scales' if self.pow2_scales else ''}"
         )
