@@ -1,10 +1,13 @@
 """Recipes and checkpoints: round trips through local folders (the Hub path is the same code with a repo id)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import transformers.trainer
 from conftest import tiny_grpo_args, tiny_policy
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
@@ -93,6 +96,33 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
         out_logits = loaded(ids).logits  # the same FP8 weights, high-precision activations
     sqnr = 20 * torch.log10(ref.norm() / (ref - out_logits).norm())
     assert sqnr > 20, f"logits SQNR {sqnr:.1f} dB"
+
+
+def test_push_to_hub_uploads_the_fp8_checkpoint(tmp_path, demo_tokenizer, monkeypatch):
+    """The Hub cannot be reached here: its upload is replaced by a recorder of what the folder holds when it would be
+    uploaded (the one stand-in). Trainer.push_to_hub saves before uploading, and that save must be the FP8 one."""
+    uploads = []
+
+    class Recorder:
+        def upload_folder(self, folder_path, **kwargs):
+            config = json.loads((Path(folder_path) / "config.json").read_text())
+            state = load_file(Path(folder_path) / "model.safetensors")
+            uploads.append((config.get("quantization_config"), {t.dtype for t in state.values()}))
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", Recorder)
+    trainer = trainer_for(tmp_path, demo_tokenizer, max_steps=1, fp8_save_format="fp8")
+    trainer.train()
+    trainer.hub_model_id = "someone/tiny-fp8"  # as Trainer.init_hf_repo would have set it (it creates the repo)
+    trainer.push_to_hub()
+    trainer.args.push_to_hub = True
+    trainer.save_model()  # pushes too, as Trainer.save_model does
+    assert len(uploads) == 2
+    for quantization_config, dtypes in uploads:
+        assert quantization_config["quant_method"] == "fp8" and torch.float8_e4m3fn in dtypes
+    # Checkpoints during training still hold the master weights.
+    trainer.args.push_to_hub = False
+    trainer.save_model(str(tmp_path / "checkpoint"), _internal_call=True)
+    assert "quantization_config" not in json.loads((tmp_path / "checkpoint" / "config.json").read_text())
 
 
 class StopAt(TrainerCallback):

@@ -168,19 +168,28 @@ class FP8GRPOTrainer(GRPOTrainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save:
             self.args.resolved_fp8_recipe.save_pretrained(output_dir)
-        # Checkpoints written during training keep the master weights: resuming from FP8 would lose them.
-        if self.args.fp8_save_format == "fp8" and not _internal_call:
-            if self.args.should_save:
-                save_fp8_checkpoint(
-                    self.accelerator.unwrap_model(self.model), output_dir, self.args.resolved_fp8_recipe
-                )
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
-            if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-        else:
-            super().save_model(output_dir, _internal_call=_internal_call)
+        # Checkpoints written during training keep the master weights: resuming from FP8 would lose them. The save
+        # inside `push_to_hub` is internal too, but it writes what is uploaded.
+        final = not _internal_call or getattr(self, "_saving_for_push", False)
+        if self.args.fp8_save_format != "fp8" or not final:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # saves, then uploads
+            return
+        if self.args.should_save:
+            save_fp8_checkpoint(self.accelerator.unwrap_model(self.model), output_dir, self.args.resolved_fp8_recipe)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
+
+    def push_to_hub(self, *args, **kwargs):
+        # Trainer.push_to_hub writes `output_dir` with `save_model(_internal_call=True)`, then uploads it: with
+        # fp8_save_format="fp8" that folder must hold the FP8 checkpoint, not the master weights.
+        self._saving_for_push = True
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        finally:
+            self._saving_for_push = False
 
     def _generate_and_score_completions(self, inputs):
         engine = self.vllm_generation
