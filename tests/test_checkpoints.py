@@ -115,7 +115,8 @@ def test_push_to_hub_uploads_the_fp8_checkpoint(tmp_path, demo_tokenizer, monkey
     trainer.hub_model_id = "someone/tiny-fp8"  # as Trainer.init_hf_repo would have set it (it creates the repo)
     trainer.push_to_hub()
     trainer.args.push_to_hub = True
-    trainer.save_model()  # pushes too, as Trainer.save_model does
+    trainer.save_model(str(tmp_path / "elsewhere"))  # writes there, then pushes output_dir, as Trainer.save_model does
+    assert json.loads((tmp_path / "elsewhere" / "config.json").read_text())["quantization_config"]
     assert len(uploads) == 2
     for quantization_config, dtypes in uploads:
         assert quantization_config["quant_method"] == "fp8" and torch.float8_e4m3fn in dtypes

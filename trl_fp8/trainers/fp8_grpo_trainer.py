@@ -173,14 +173,13 @@ class FP8GRPOTrainer(GRPOTrainer):
         final = not _internal_call or getattr(self, "_saving_for_push", False)
         if self.args.fp8_save_format != "fp8" or not final:
             return super().save_model(output_dir, _internal_call=_internal_call)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # saves, then uploads
-            return
         if self.args.should_save:
             save_fp8_checkpoint(self.accelerator.unwrap_model(self.model), output_dir, self.args.resolved_fp8_recipe)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def push_to_hub(self, *args, **kwargs):
         # Trainer.push_to_hub writes `output_dir` with `save_model(_internal_call=True)`, then uploads it: with
