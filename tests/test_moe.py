@@ -1,10 +1,13 @@
 """Mixture-of-Experts in FP8 on tiny Qwen3-MoE and DeepSeek-V3-style models built in-process (4 experts, top-2)."""
 
 import copy
+import json
 
 import pytest
 import torch
 from conftest import tiny_grpo_args
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from trl_fp8 import FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import digit_count_reward as digit_reward
@@ -13,8 +16,9 @@ from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE as MOONLIGHT
 from trl_fp8.demo.tiny_moe import tiny_deepseek_v3 as deepseek_v3
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe as qwen3_moe
 from trl_fp8.generation import build_sampler_model
+from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import dequantize_blockwise, iter_fp8_state, quantize_blockwise
-from trl_fp8.quant.export import load_state_stream
+from trl_fp8.quant.export import load_state_stream, save_fp8_checkpoint
 from trl_fp8.quant.moe import FP8Experts, W8A8Experts
 
 
@@ -49,6 +53,37 @@ def test_export_names_and_shapes_match_vllm_checkpoints(build, recipe):
     if build is deepseek_v3:
         assert stream["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float32  # Moonlight: MLA in BF16
         assert stream["model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [FP8Recipe(modules_to_not_convert=["mlp.experts"]), FP8Recipe(num_first_layers_in_bf16=1)],
+    ids=["experts_in_bf16", "first_layer_in_bf16"],
+)
+def test_fp8_checkpoint_stores_high_precision_experts_as_vllm_loads_them(tmp_path, recipe):
+    """A saved checkpoint holds what the sampler sync sends: high-precision experts one by one (as vLLM loads them
+    and Hub checkpoints store them), listed with the routers in `modules_to_not_convert` (as in vLLM's
+    `ignored_layers`, or a loader would expect FP8 experts with scales)."""
+    model = convert_to_fp8(qwen3_moe(), recipe)
+    save_fp8_checkpoint(model, str(tmp_path), recipe)
+    tensors = load_file(tmp_path / "model.safetensors")
+    kept = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert not [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    gate = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    assert tensors[gate].dtype == torch.float32 and f"{gate}_scale_inv" not in tensors
+    assert torch.equal(tensors[gate], model.model.layers[0].mlp.experts.gate_up_proj[3, :128])
+    assert {"model.layers.0.mlp.experts", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= set(kept)
+    assert ("model.layers.1.mlp.experts" in kept) == (recipe.num_first_layers_in_bf16 == 0)
+    assert sorted(kept) == sorted(["lm_head", *check_vllm_fp8_layers(model, recipe)])
+    # transformers fuses the experts back at load time: every expert weight as the learner holds it.
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for name in ("gate_up_proj", "down_proj"):
+        torch.testing.assert_close(
+            getattr(loaded.model.layers[0].mlp.experts, name),
+            getattr(model.model.layers[0].mlp.experts, name).detach(),
+            atol=0,
+            rtol=0,
+        )
 
 
 @pytest.mark.parametrize(

@@ -25,10 +25,10 @@ from trl_fp8.generation.vllm_fp8 import (
     deep_gemm_e8m0_env,
     fp8_llm_kwargs,
     refit,
-    split_fused_experts,
     validate_stream,
 )
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
+from trl_fp8.quant.export import split_fused_experts
 from trl_fp8.trainers import FP8GRPOConfig
 
 

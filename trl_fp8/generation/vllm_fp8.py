@@ -26,7 +26,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
-from ..quant.export import stream_nbytes
+from ..quant.export import split_fused_experts, stream_nbytes
 from .reference import refuse_reserved
 from .stream import LearnerStream
 from .vllm_layout import check_vllm_fp8_layers
@@ -159,24 +159,6 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
             bad = [name for (name, _), good in zip(checks, ok.tolist(), strict=True) if not good]
             raise ValueError(f"the sync stream holds NaN, inf or non-positive scales in {bad[:5]}; nothing was sent")
     return meta
-
-
-def split_fused_experts(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """vLLM loads MoE experts one by one (`...experts.{e}.gate_proj.weight`): transformers' fused expert tensors that
-    the recipe keeps in high precision (`...experts.gate_up_proj` (E, 2I, H), `...experts.down_proj` (E, H, I)) are
-    split into those names. FP8 experts already travel per expert."""
-    out = []
-    for name, t in pairs:
-        if name.endswith(".experts.gate_up_proj") and t.dim() == 3:
-            prefix, i = name.removesuffix("gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out += [(f"{prefix}{e}.gate_proj.weight", t[e, :i]), (f"{prefix}{e}.up_proj.weight", t[e, i:])]
-        elif name.endswith(".experts.down_proj") and t.dim() == 3:
-            prefix = name.removesuffix("down_proj")
-            out += [(f"{prefix}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
-        else:
-            out.append((name, t))
-    return out
 
 
 def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:

@@ -16,11 +16,10 @@ the learner, so that a bad combination fails at `FP8GRPOTrainer(...)` naming the
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from ..quant.convert import is_router, select_fp8_experts, select_fp8_linears
-from ..quant.moe import is_fused_experts
+from ..quant.convert import select_fp8_experts, select_fp8_linears
+from ..quant.export import PRE_FUSED, high_precision_modules
 
 
 # vLLM's stacked-parameter mappings: Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention) and
@@ -32,10 +31,6 @@ FUSED = {
 }
 REPLICATED = ("fused_qkv_a_proj",)
 ROW_PARALLEL = ("o_proj", "down_proj")
-# Fused already on the Hugging Face side (Phi-3, Phi-4-mini): one module, which vLLM cuts into the same q/k/v or
-# gate/up shards by its config while loading (`_load_fused_module_from_checkpoint`, block scales at offset / 128), so
-# the same block rules hold for each part.
-PRE_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
 @dataclass
@@ -105,6 +100,8 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
             k = module.in_features
             out.append(VLLMLinear(name, (name,), k, k // tp_size, (module.out_features,), tp_size))
         elif leaf in PRE_FUSED:
+            # One module, which vLLM cuts into the same q/k/v or gate/up shards while loading
+            # (`_load_fused_module_from_checkpoint`, block scales at offset / 128): the same block rules hold per part.
             parts = PRE_FUSED[leaf]
             if leaf == "qkv_proj":
                 rows = tuple(attention[f"{p}_proj"] for p in parts)
@@ -123,19 +120,7 @@ def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[st
     in FP8) and fused experts the recipe keeps out of FP8."""
     fp8 = set(select_fp8_linears(model, recipe)[0])
     fp8_experts = select_fp8_experts(model, recipe)[0]
-    kept = []
-    for name, m in model.named_modules():
-        if "lm_head" in name.split("."):
-            continue
-        if isinstance(m, nn.Linear) and name not in fp8:
-            kept.append(name)
-            parent, _, leaf = name.rpartition(".")
-            if leaf in PRE_FUSED:  # vLLM looks a fused layer up by its shards' names (`is_layer_skipped`)
-                kept.extend(f"{parent}.{part}_proj" for part in PRE_FUSED[leaf])
-        elif is_router(name) and isinstance(getattr(m, "weight", None), torch.Tensor):
-            kept.append(name)
-        elif is_fused_experts(m) and name not in fp8_experts:
-            kept.append(name)
+    kept = [n for n in high_precision_modules(model, fp8 | set(fp8_experts)) if "lm_head" not in n.split(".")]
     for name in fp8_experts:
         # vLLM's `validate_fp8_block_shape_moe`: each rank's slice of the expert intermediate size in whole blocks.
         intermediate = model.get_submodule(name).gate_up_proj.shape[1] // 2

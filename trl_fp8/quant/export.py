@@ -15,6 +15,7 @@ the recipe selects are then quantized here, with the recipe's rule.
 
 import copy
 import os
+import re
 from collections.abc import Iterator
 
 import torch
@@ -22,9 +23,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .blockwise import quantize_blockwise
-from .convert import select_fp8_experts, select_fp8_linears
+from .convert import is_router, select_fp8_experts, select_fp8_linears
 from .linear import FP8Linear
-from .moe import FP8Experts, iter_expert_pairs
+from .moe import FP8Experts, is_fused_experts, iter_expert_pairs
 from .te_linear import is_te_linear
 
 
@@ -125,16 +126,59 @@ def load_state_stream(model: nn.Module, pairs: list[tuple[str, torch.Tensor]]) -
         targets[name].copy_(tensor)
 
 
+# Fused already on the Hugging Face side (Phi-3, Phi-4-mini): vLLM looks these up by their parts' names (q_proj,
+# k_proj, v_proj; gate_proj, up_proj), in `is_layer_skipped` as in its TP layout.
+PRE_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+_EXPERT_LINEAR_RE = re.compile(r"^(.*\.experts)\.\d+\.(?:gate|up|down)_proj$")
+
+
+def split_fused_experts(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """vLLM loads MoE experts one by one (`...experts.{e}.gate_proj.weight`), as Hub checkpoints store them:
+    transformers' fused expert tensors that the recipe keeps in high precision (`...experts.gate_up_proj` (E, 2I, H),
+    `...experts.down_proj` (E, H, I)) are split into those names. FP8 experts already travel per expert."""
+    out = []
+    for name, t in pairs:
+        if name.endswith(".experts.gate_up_proj") and t.dim() == 3:
+            prefix, i = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out += [(f"{prefix}{e}.gate_proj.weight", t[e, :i]), (f"{prefix}{e}.up_proj.weight", t[e, i:])]
+        elif name.endswith(".experts.down_proj") and t.dim() == 3:
+            prefix = name.removesuffix("down_proj")
+            out += [(f"{prefix}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        else:
+            out.append((name, t))
+    return out
+
+
+def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
+    """What a block-FP8 loader must build in high precision, given the names of the linears and fused experts in
+    FP8, named as vLLM and transformers look them up: the other linears (nn.Linear subclasses too, Falcon's
+    FalconLinear; a module fused on disk also by its parts' names), MoE routers whatever their class (vLLM would
+    otherwise build some of them in FP8), and the other fused experts."""
+    kept = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name not in fp8:
+            kept.append(name)
+            parent, _, leaf = name.rpartition(".")
+            if leaf in PRE_FUSED:
+                kept.extend(f"{parent}.{part}_proj" for part in PRE_FUSED[leaf])
+        elif is_router(name) and isinstance(getattr(m, "weight", None), torch.Tensor):
+            kept.append(name)
+        elif is_fused_experts(m) and name not in fp8:
+            kept.append(name)
+    return kept
+
+
 def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:
     """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
-    plus `config.json` with the recipe's `quantization_config` (the high-precision linears listed in
-    `modules_to_not_convert`). Returns the names of the FP8 weights."""
+    (experts one by one, as Hub checkpoints store them) plus `config.json` with the recipe's `quantization_config`
+    (what stays in high precision listed in `modules_to_not_convert`). Returns the names of the FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
-    tensors = dict(iter_fp8_state(model, None if converted else recipe))
+    tensors = dict(split_fused_experts(list(iter_fp8_state(model, None if converted else recipe))))
     fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]
     fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
-    # nn.Linear subclasses too (Falcon's FalconLinear): whatever is not in FP8 must be listed for the loader.
-    kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in fp8_modules]
+    fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
+    kept = high_precision_modules(model, fp8_modules)
     os.makedirs(save_directory, exist_ok=True)
     save_file(
         # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
