@@ -2,7 +2,7 @@
 with and without token-level truncated importance sampling, over several seeds.
 
     python benchmarks/mismatch.py                      # full run: 40 steps x 3 seeds per configuration
-    python benchmarks/mismatch.py --quick              # CI smoke run: a few steps, one seed
+    python benchmarks/mismatch.py --quick              # smoke run: 3 steps, one seed, into a temporary folder
 
 Writes `<output_dir>/mismatch.md` (mean ± std over seeds), `<output_dir>/mismatch.json` (every run's log) and
 `<output_dir>/mismatch.png` (reward and token_mult_prob_error vs step, one line per configuration, shaded by the seed
@@ -109,13 +109,19 @@ def summarize(results: dict[str, list[list[dict]]], tail: int) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output_dir", default="benchmarks/results")
+    parser.add_argument(
+        "--output_dir", default=None, help="default: benchmarks/results (with --quick: a temporary folder)"
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=128, help="completions per step (16 prompts x 8)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="3 steps, one seed: a smoke run for CI")
     parser.add_argument("--replot", action="store_true", help="only redraw mismatch.png from mismatch.json")
     args = parser.parse_args()
+    if args.output_dir is None:  # a smoke run must not overwrite the committed figures
+        args.output_dir = (
+            Path(tempfile.gettempdir()) / "trl_fp8_mismatch_quick" if args.quick else "benchmarks/results"
+        )
     out = Path(args.output_dir)
     if args.replot:
         results = json.loads((out / "mismatch.json").read_text())["runs"]

@@ -20,7 +20,9 @@ Real runs use the same script with a Hub model and dataset, e.g.
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name <dataset> \
         --reward_funcs my_rewards.accuracy --use_cpu false --bf16 true
 
-Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the YAML or overridden on the command line.
+Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the YAML or overridden on the command line. An override
+replaces the YAML's value whole: `--fp8_recipe '{"pow2_scales": true}'` is that recipe, not the YAML's recipe with
+pow2 scales (repeat the YAML's other recipe fields in it).
 """
 
 import importlib
@@ -87,7 +89,12 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         reward_funcs=[import_reward(p) for p in script_args.reward_funcs],
         args=training_args,
         train_dataset=train_dataset,
-        processing_class=AutoTokenizer.from_pretrained(model_name, padding_side="left"),
+        processing_class=AutoTokenizer.from_pretrained(
+            model_name,
+            padding_side="left",
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,  # Moonlight's tokenizer is custom code
+        ),
     )
     trainer.train()
     trainer.save_model(training_args.output_dir)
