@@ -10,10 +10,11 @@ from conftest import tiny_grpo_args, tiny_policy
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.quant import FP8Linear, dequantize_blockwise
+from trl_fp8.quant.export import save_fp8_checkpoint
 from trl_fp8.recipe import RECIPE_NAME
 
 
@@ -96,6 +97,13 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
         out_logits = loaded(ids).logits  # the same FP8 weights, high-precision activations
     sqnr = 20 * torch.log10(ref.norm() / (ref - out_logits).norm())
     assert sqnr > 20, f"logits SQNR {sqnr:.1f} dB"
+
+
+def test_a_checkpoint_is_described_by_the_recipe_its_weights_were_quantized_with(tmp_path, tiny_llama):
+    model = convert_to_fp8(tiny_llama, FP8Recipe())
+    with pytest.raises(ValueError, match=r"converted with FP8Recipe\(weight_block_size=\[128, 128\].*not with the"):
+        save_fp8_checkpoint(model, str(tmp_path), FP8Recipe(weight_block_size=[64, 128]))
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_push_to_hub_uploads_the_fp8_checkpoint(tmp_path, demo_tokenizer, monkeypatch):

@@ -64,6 +64,13 @@ def test_misaligned_layers_stay_high_precision_with_one_warning():
     assert len(fp8_modules(model)) == 3 * 4
 
 
+def test_a_recipe_that_keeps_nothing_or_converts_nothing_says_so(tiny_llama):
+    with pytest.warns(UserWarning, match=r"modules_to_not_convert \['mlp.dwon_proj'\] match no module.*misspelt"):
+        convert_to_fp8(copy.deepcopy(tiny_llama), FP8Recipe(modules_to_not_convert=["mlp.dwon_proj", "down_proj"]))
+    with pytest.warns(UserWarning, match=r"converts none of LlamaForCausalLM's linears.*num_first_layers_in_bf16=5"):
+        convert_to_fp8(copy.deepcopy(tiny_llama), FP8Recipe(num_first_layers_in_bf16=5))
+
+
 def test_training_step_changes_every_parameter(tiny_qwen2):
     model = convert_to_fp8(tiny_qwen2.train(), FP8Recipe())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -91,6 +98,9 @@ def test_training_step_changes_every_parameter(tiny_qwen2):
         # From YAML or the command line, a string would otherwise be split into characters that match nothing.
         ({"modules_to_not_convert": "mlp.down_proj"}, "modules_to_not_convert must be a list, got str"),
         ({"weight_block_size": "128"}, "weight_block_size must be a list"),
+        ({"weight_block_size": None}, "weight_block_size must be a list, got NoneType"),
+        ({"activation_block_size": None}, "activation_block_size must be a list, got NoneType"),
+        ({"weight_block_size": [True, 128]}, "weight_block_size must be two positive ints"),
     ],
 )
 def test_invalid_recipe_names_the_field(kwargs, field):

@@ -95,7 +95,7 @@ def test_export_to_reference_engine_round_trip_is_bit_identical(build, recipe):
     experts = [m for m in sampler.modules() if isinstance(m, W8A8Experts)]
     assert len(experts) == (2 if build is qwen3_moe else 1)
     stream = list(iter_fp8_state(learner))
-    load_state_stream(sampler, stream)
+    load_state_stream(sampler, iter_fp8_state(learner))  # the generator itself
     state = sampler.state_dict()
     for name, tensor in stream:
         a = state[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else state[name]

@@ -251,6 +251,10 @@ def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_
     ]
     with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj.weight: got \(128, 256\) torch.float32"):
         load_state_stream(engine.sampler, bad_dtype)
+    twice = engine.state_stream()
+    twice.append(("model.norm.weight", torch.full_like(dict(twice)["model.norm.weight"], 7.0)))
+    with pytest.raises(ValueError, match=r"model.norm.weight: twice in the stream"):
+        load_state_stream(engine.sampler, iter(twice))  # any iterable, checked whole before anything is copied
     for k, v in engine.sampler.state_dict().items():
         assert torch.equal(
             v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,

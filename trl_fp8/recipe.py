@@ -60,12 +60,12 @@ class FP8Recipe(PushToHubMixin):
         # A string (easy to write in YAML or on the command line) would pass list() one character at a time.
         for name in ("weight_block_size", "activation_block_size", "modules_to_not_convert"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, (list, tuple)):
+            if not isinstance(value, (list, tuple)) and (value is not None or name != "modules_to_not_convert"):
                 raise ValueError(f"FP8Recipe.{name} must be a list, got {type(value).__name__} {value!r}")
         self.weight_block_size = list(self.weight_block_size)
         self.activation_block_size = list(self.activation_block_size)
         self.modules_to_not_convert = list(self.modules_to_not_convert or [])
-        if len(self.weight_block_size) != 2 or any(not isinstance(b, int) or b < 1 for b in self.weight_block_size):
+        if len(self.weight_block_size) != 2 or any(type(b) is not int or b < 1 for b in self.weight_block_size):
             raise ValueError(f"FP8Recipe.weight_block_size must be two positive ints, got {self.weight_block_size}")
         if self.activation_block_size != [1, 128]:
             raise ValueError(

@@ -168,6 +168,21 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             f"{recipe.weight_block_size} weight block and stay in high precision: {', '.join(misaligned)}",
             stacklevel=2,
         )
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [p for p in recipe.modules_to_not_convert if not any(_matches(name, p) for name in names)]
+    if unmatched:
+        warnings.warn(
+            f"trl-fp8: FP8Recipe.modules_to_not_convert {unmatched} match no module of {type(model).__name__} "
+            "(misspelt?), so they keep nothing in high precision",
+            stacklevel=2,
+        )
+    if not selected and not experts:
+        warnings.warn(
+            f"trl-fp8: the recipe converts none of {type(model).__name__}'s linears (num_first_layers_in_bf16="
+            f"{recipe.num_first_layers_in_bf16}, num_last_layers_in_bf16={recipe.num_last_layers_in_bf16}, "
+            f"modules_to_not_convert={recipe.modules_to_not_convert}): nothing will run in FP8",
+            stacklevel=2,
+        )
     te_linear = _te_linear_for(model, recipe)
     for name in selected:
         parent_name, _, child = name.rpartition(".")

@@ -16,7 +16,7 @@ the recipe selects are then quantized here, with the recipe's rule.
 import copy
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -99,16 +99,21 @@ def iter_hp_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_state_stream(model: nn.Module, pairs: list[tuple[str, torch.Tensor]]) -> None:
+def load_state_stream(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copies a state stream into `model`'s parameters and buffers of the same names, all or nothing.
 
     Every pair is checked first (known name, same shape, same dtype) and every tensor of `model` must be covered
     (tied tensors once): a missing `weight_scale_inv` is an error, never a silent 1.0. Only then is anything copied,
     so a bad stream leaves `model` on its last good weights.
     """
+    pairs = list(pairs)  # `iter_fp8_state` is a generator: checked first, copied after
     targets = model.state_dict(keep_vars=True)
     problems = []
+    seen = set()
     for name, tensor in pairs:
+        if name in seen:
+            problems.append(f"{name}: twice in the stream")
+        seen.add(name)
         target = targets.get(name)
         if target is None:
             problems.append(f"{name}: not a tensor of the sampler")
@@ -174,6 +179,9 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     (experts one by one, as Hub checkpoints store them) plus `config.json` with the recipe's `quantization_config`
     (what stays in high precision listed in `modules_to_not_convert`). Returns the names of the FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
+    if converted and model.fp8_recipe != recipe:
+        # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
+        raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
     tensors = dict(split_fused_experts(list(iter_fp8_state(model, None if converted else recipe))))
     fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]
     fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
