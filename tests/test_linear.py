@@ -255,3 +255,23 @@ def test_inference_mode_forward():
         y = fp8(x * 1)
         y2 = fp8(x * 1)
     assert torch.equal(y, y2) and torch.equal(y, fp8(x).detach())
+
+
+@pytest.mark.parametrize("fuse_siblings", [True, False], ids=["stacked_siblings", "alone"])
+def test_autocast_runs_the_linears_in_its_dtype_as_nn_linear_does(fuse_siblings):
+    """Under autocast, nn.Linear (and TE's linear) compute from X cast to the autocast dtype and answer in it: so does
+    FP8Linear, with the same output bits as when given that cast X outside autocast; dX arrives in X's own dtype."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(
+        LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))), FP8Recipe(fuse_siblings=fuse_siblings)
+    )
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert {t.dtype for t in (q, k, v)} == {torch.bfloat16}
+    xb = x.detach().to(torch.bfloat16)
+    for got, proj in ((q, attn.q_proj), (k, attn.k_proj), (v, attn.v_proj)):
+        assert torch.equal(got, proj(xb)), proj.fp8_name
+    (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    assert x.grad.dtype == torch.float32 and attn.q_proj.weight.grad.dtype == torch.float32

@@ -34,6 +34,17 @@ def weights_epoch() -> int:
     return _optimizer_steps
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the surrounding autocast's dtype, as `nn.Linear` and TE's linear see it under autocast: quantized from
+    that dtype and answered in it (the cast is autograd's, so dX comes back in `x`'s own dtype)."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
 def version_of(x: torch.Tensor) -> int | None:
     """`x`'s version counter, or None for a tensor made under `torch.inference_mode()`, which keeps none."""
     return None if x.is_inference() else x._version
@@ -244,7 +255,7 @@ class FP8Linear(nn.Linear):
             return group.forward(self, x)
         w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = self._quantized(check_finite=False)
         return _FP8LinearFunction.apply(
-            x,
+            autocast_input(x),
             self.weight,
             self.bias,
             w_fp8,

@@ -19,7 +19,7 @@ from torch import nn
 
 from .backends import resolve_backend
 from .backends._quantize import check_amax, triton_status
-from .linear import _FP8LinearFunction, weights_epoch
+from .linear import _FP8LinearFunction, autocast_input, weights_epoch
 from .moe_grouped import grouped_experts_forward
 from .w8a8 import W8A8Linear
 
@@ -105,12 +105,14 @@ class FP8Experts(nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         # The fast backends run every expert of the layer in one grouped kernel per GEMM (moe_grouped.py); the
         # emulated oracle loops over experts, as transformers does.
+        # Under autocast the GEMMs read the autocast dtype, as transformers' experts do; their sum keeps the input's.
+        x, dtype = autocast_input(hidden_states), hidden_states.dtype
         if self._backend(hidden_states.device).name in ("torch", "triton") and triton_status()[0]:
-            return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-        return self.forward_per_expert(hidden_states, top_k_index, top_k_weights)
+            return grouped_experts_forward(self, x, top_k_index, top_k_weights, out_dtype=dtype)
+        return self.forward_per_expert(x, top_k_index, top_k_weights, out_dtype=dtype)
 
-    def forward_per_expert(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
+    def forward_per_expert(self, hidden_states, top_k_index, top_k_weights, out_dtype=None):
+        out = torch.zeros_like(hidden_states, dtype=out_dtype)
         for e, top_k_pos, token_idx in _route(self.num_experts, top_k_index):
             gate, up = self._linear(hidden_states[token_idx], "gate_up_proj", e).chunk(2, dim=-1)
             h = self._linear(self.act_fn(gate) * up, "down_proj", e)

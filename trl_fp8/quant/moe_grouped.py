@@ -93,8 +93,9 @@ class _GroupedFP8Function(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
-def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
-    """`FP8Experts.forward` on the grouped kernels: same inputs and output as transformers' experts modules."""
+def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights, out_dtype=None):
+    """`FP8Experts.forward` on the grouped kernels: same inputs and output as transformers' experts modules (the sum
+    over experts in `out_dtype`, by default the input's)."""
     groups = group_by_expert(top_k_index, experts.num_experts)
     x = hidden_states.new_zeros(groups.rows, hidden_states.shape[-1])
     x = x.index_copy(0, groups.dest, hidden_states[groups.token])
@@ -113,4 +114,5 @@ def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     # Dropped pairs' rows are zeros; whatever their weight (0 * inf is NaN), they count for nothing, as in the loop.
     weights = torch.where(top_k_index[groups.token, groups.pos, None] < experts.num_experts, weights, 0)
     y = y[groups.dest] * weights
-    return torch.zeros_like(hidden_states).index_add(0, groups.token, y.to(hidden_states.dtype))
+    out = torch.zeros_like(hidden_states, dtype=out_dtype)
+    return out.index_add(0, groups.token, y.to(out.dtype))

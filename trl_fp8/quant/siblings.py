@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, version_of, weights_epoch
+from .linear import FP8Linear, _SharedActivation, autocast_input, version_of, weights_epoch
 
 
 SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -188,7 +188,8 @@ class FP8SiblingGroup:
                 self._pending = None
             return out
         params = [m.weight for m in self.members] + [m.bias for m in self.members]
-        y = _FP8SiblingsFunction.apply(x, self, torch.is_grad_enabled(), *params)
+        # Pending outputs stay keyed on the caller's x: the autocast copy is new at every call.
+        y = _FP8SiblingsFunction.apply(autocast_input(x), self, torch.is_grad_enabled(), *params)
         outs = torch.split(y, [r1 - r0 for r0, r1 in self.rows], dim=-1)
         rest = {j: o for j, o in enumerate(outs) if j != i}
         # An inference tensor keeps no version to match by: its siblings recompute (rare: TRL's policy passes use
