@@ -5,12 +5,13 @@ import torch
 from accelerate import Accelerator
 from conftest import tiny_grpo_args
 from transformers import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, load_demo_model_and_tokenizer, make_dataset
 from trl_fp8.generation.reference import ReferenceEngine, left_pad
 from trl_fp8.quant.export import load_state_stream
-from trl_fp8.quant.kv_cache import FP8KVCache, calibrate_kv_scales, quantize_kv
+from trl_fp8.quant.kv_cache import FP8KVCache, _recording_queries, calibrate_kv_scales, quantize_kv
 
 
 def demo_prompts(tokenizer, n=16, seed=0):
@@ -130,6 +131,35 @@ def test_a_missing_scale_is_an_error_never_one():
     engine.sampler.model.layers[1].self_attn.q_scale.fill_(-1.0)
     with pytest.raises(ValueError, match=r"layer 1 has no valid q_scale \(-1.0\)"):
         engine.generate(demo_prompts(tokenizer, 2))
+
+
+def test_left_padding_is_masked_with_the_fp8_kv_cache():
+    """Prompts of different lengths are left-padded into one batch: the FP8-query attention in front of the model's
+    own must still get its padding mask (transformers builds none for an implementation its mask registry does not
+    know), so a padded row reads as it does alone. The demo task's prompts are all one length: this one is not."""
+    policy, tokenizer = load_demo_model_and_tokenizer()
+    engine = ReferenceEngine(
+        policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    short, long = tokenizer("12+34=")["input_ids"], tokenizer("12+34+56+78-90+11=")["input_ids"]
+    engine.calibration_batch = left_pad([short, long], tokenizer.pad_token_id)
+    engine.sync_weights()
+    attn = [engine.sampler.get_submodule(name) for name in engine._attn_names]
+
+    def logits(rows):
+        ids, mask = left_pad(rows, tokenizer.pad_token_id)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate() numbers left-padded rows
+        cache = FP8KVCache([(a.k_scale.item(), a.v_scale.item()) for a in attn])
+        with torch.no_grad():
+            out = engine.sampler(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        return out.logits
+
+    batched, alone = logits([short, long])[0, -len(short) :], logits([short])[0]
+    torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
+    # The calibration forward routes attention through its query recorder, which must keep the mask too.
+    with _recording_queries(policy):
+        assert policy.config._attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS
 
 
 def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):

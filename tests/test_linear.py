@@ -263,7 +263,8 @@ def test_autocast_runs_the_linears_in_its_dtype_as_nn_linear_does(fuse_siblings)
     FP8Linear, with the same output bits as when given that cast X outside autocast; dX arrives in X's own dtype."""
     torch.manual_seed(0)
     model = convert_to_fp8(
-        LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))), FP8Recipe(fuse_siblings=fuse_siblings)
+        LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))),
+        FP8Recipe(fuse_siblings=fuse_siblings),
     )
     attn = model.model.layers[0].self_attn
     x = torch.randn(2, 5, 256, requires_grad=True)

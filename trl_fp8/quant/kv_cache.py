@@ -19,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .blockwise import FP8_DTYPE, FP8_MAX
@@ -83,9 +84,13 @@ FP8_QUERY_ATTENTION = "trl_fp8_fp8_query"
 _query_amax: dict[int, torch.Tensor] | None = None  # set while `calibrate_kv_scales` runs
 
 
-def _base_attention(module):
+def _called(base: str | None) -> str:
     # The implementation the model was configured with (transformers' own eager kernels are per model: sdpa stands in).
-    name = getattr(module, "trl_fp8_base_attention", None) or "sdpa"
+    return base if base and base in ALL_ATTENTION_FUNCTIONS else "sdpa"
+
+
+def _base_attention(module):
+    name = _called(getattr(module, "trl_fp8_base_attention", None))
     return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
 
 
@@ -102,8 +107,20 @@ def _fp8_query(module, query, *args, **kwargs):
     return _base_attention(module)(module, q.to(query.dtype), *args, **kwargs)
 
 
-AttentionInterface.register(RECORD_QUERY_ATTENTION, _record_query)
-AttentionInterface.register(FP8_QUERY_ATTENTION, _fp8_query)
+_WRAPPERS = {RECORD_QUERY_ATTENTION: _record_query, FP8_QUERY_ATTENTION: _fp8_query}
+
+
+def _registered(implementation: str, base: str | None) -> str:
+    """The name of `implementation` in front of `base`, registered with the attention mask that `base` takes:
+    transformers builds no mask at all for an implementation its mask registry does not know, and the left padding
+    of batched prompts would then be attended to."""
+    called = _called(base)
+    name = f"{implementation}_{called}"
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _WRAPPERS[implementation])
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[called] if called in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+        AttentionMaskInterface.register(name, mask)
+    return name
 
 
 def set_attention(model: torch.nn.Module, attention_names: list[str], implementation: str) -> str:
@@ -117,7 +134,7 @@ def set_attention(model: torch.nn.Module, attention_names: list[str], implementa
     )
     for name in attention_names:
         model.get_submodule(name).trl_fp8_base_attention = base
-    model.config._attn_implementation = implementation
+    model.config._attn_implementation = _registered(implementation, base)
     return previous
 
 
