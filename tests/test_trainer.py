@@ -10,7 +10,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.generation.reference import ReferenceEngine
-from trl_fp8.quant import FP8Linear, W8A8Linear, quantize_blockwise
+from trl_fp8.quant import FP8Linear, W8A8Linear, iter_fp8_state, quantize_blockwise
 
 
 def train_and_check(trainer):
@@ -260,6 +260,29 @@ def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_
             v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
             before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k],
         ), k
+
+
+def test_every_generation_samples_with_the_learners_current_weights(tmp_path, demo_tokenizer):
+    """Checked at each generation, across two `train()` calls (the second restarts `global_step`)."""
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, max_steps=1),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    engine, generate, stale = trainer.vllm_generation, trainer.vllm_generation.generate, []
+
+    def generate_and_check(*args, **kwargs):
+        held = engine.sampler.state_dict()
+        current = [(n, t) for n, t in iter_fp8_state(trainer.model) if n.endswith("_scale_inv")]
+        stale.append(sum(not torch.equal(held[n], t) for n, t in current))
+        return generate(*args, **kwargs)
+
+    engine.generate = generate_and_check
+    trainer.train()
+    trainer.train()
+    assert stale == [0, 0]
 
 
 def test_config_defaults_and_contradictions(tmp_path):

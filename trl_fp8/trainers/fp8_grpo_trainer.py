@@ -124,6 +124,12 @@ class FP8GRPOTrainer(GRPOTrainer):
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
         self._last_loaded_step = -1
 
+    def train(self, *args, **kwargs):
+        # TRL refits the sampler when `global_step` differs from the step it last synced at; a second `train()` restarts
+        # `global_step`, and its first generation could then find them equal and sample with the old weights.
+        self._last_loaded_step = -1
+        return super().train(*args, **kwargs)
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
