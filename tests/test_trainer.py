@@ -74,13 +74,17 @@ def test_train_with_eval(tmp_path, demo_tokenizer):
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
         reward_funcs=[digit_reward, accuracy_reward],
-        args=tiny_grpo_args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
+        args=tiny_grpo_args(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, max_steps=3),
         train_dataset=make_dataset(16),
         eval_dataset=make_dataset(8, seed=1),
         processing_class=demo_tokenizer,
     )
     logs = train_and_check(trainer)
-    assert any("eval_loss" in log for log in logs)
+    assert len([log for log in logs if "eval_loss" in log]) == 3
+    # An evaluation after a step runs the sampler's refit, which still counts for that training step.
+    train_logs = [log for log in logs if "loss" in log]
+    assert len(train_logs) == 3 and all("fp8/sync_seconds" in log for log in train_logs)
+    assert not any("eval_fp8/sync_seconds" in log for log in logs)
 
 
 def test_train_conversational_prompts(tmp_path, demo_tokenizer):

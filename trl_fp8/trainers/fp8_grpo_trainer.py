@@ -206,24 +206,26 @@ class FP8GRPOTrainer(GRPOTrainer):
                 prompt_ids[: self.args.fp8_kv_calibration_rows], self._tokenizer.pad_token_id
             )
         output = super()._generate_and_score_completions(inputs)
-        if kv_cache:
-            # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions included.
+        mode = "train" if self.model.training else "eval"
+        if kv_cache and mode == "train":
+            # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions included
+            # (of a training batch: the scales serve the rollouts that train).
             rows = self.args.fp8_kv_calibration_rows
             engine.calibration_batch = (
                 torch.cat([output["prompt_ids"][:rows], output["completion_ids"][:rows]], dim=1),
                 torch.cat([output["prompt_mask"][:rows], output["completion_mask"][:rows]], dim=1),
             )
-        mode = "train" if self.model.training else "eval"
         # A constant series whose name says which kernels trained this step (te, torch, triton, emulated).
         self._metrics[mode][f"fp8/backend/{self.fp8_backend}"].append(1.0)
         sync = getattr(engine, "last_sync", None)
         if sync is not None:
+            # The refit after an optimizer step belongs to training, even when an evaluation's generation ran it.
             engine.last_sync = None
-            self._metrics[mode]["fp8/sync_seconds"].append(sync["seconds"])
-            self._metrics[mode]["fp8/sync_bytes"].append(sync["bytes"])
-            self._metrics[mode]["fp8/sync_bf16_bytes"].append(sync["bf16_bytes"])
+            self._metrics["train"]["fp8/sync_seconds"].append(sync["seconds"])
+            self._metrics["train"]["fp8/sync_bytes"].append(sync["bytes"])
+            self._metrics["train"]["fp8/sync_bf16_bytes"].append(sync["bf16_bytes"])
             if "kv_calibration_seconds" in sync:
-                self._metrics[mode]["fp8/kv_calibration_seconds"].append(sync["kv_calibration_seconds"])
+                self._metrics["train"]["fp8/kv_calibration_seconds"].append(sync["kv_calibration_seconds"])
         if self.args.fp8_mismatch_metrics and "sampling_per_token_logps" in output:
             self._log_mismatch(output, mode)
             if self._is_moe and isinstance(engine, ReferenceEngine):  # vLLM's routing is not observable here
