@@ -10,7 +10,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
-from trl_fp8.quant import FP8Linear, dequantize_blockwise, quantize_blockwise
+from trl_fp8.quant import FP8Linear, dequantize_blockwise, mark_weights_changed, quantize_blockwise
 from trl_fp8.quant.backends import available_backends, emulated, resolve_backend, torch_scaled_mm
 
 
@@ -90,6 +90,10 @@ def test_quantized_weight_is_cached_until_the_weight_changes(fused):
     with torch.no_grad():
         fp8.weight.mul_(2)  # any in-place write
     assert torch.equal(fp8.quantized_weight()[1], s_ref * 2)
+    fp8.weight.data.mul_(2)  # bypasses the version counter: unseen until said
+    assert torch.equal(fp8.quantized_weight()[1], s_ref * 2)
+    mark_weights_changed()
+    assert torch.equal(fp8.quantized_weight()[1], s_ref * 4)
 
 
 def test_swap_is_zero_copy():

@@ -30,8 +30,15 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def weights_epoch() -> int:
-    """How many optimizer steps (of any optimizer) have run in this process."""
+    """How many optimizer steps (of any optimizer) have run in this process, plus `mark_weights_changed()` calls."""
     return _optimizer_steps
+
+
+def mark_weights_changed() -> None:
+    """Tells every FP8 module that weights changed outside an optimizer step through writes that bypass version
+    counters (`param.data.copy_(...)`, `param.data = ...`): their cached FP8 weights are then re-made."""
+    global _optimizer_steps
+    _optimizer_steps += 1
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -204,8 +211,9 @@ class FP8Linear(nn.Linear):
     @torch.no_grad()
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes:
-        an optimizer step, an in-place write (version counter) or a new tensor. Raises a `ValueError` naming the
-        parameter if the weight holds NaN or inf."""
+        an optimizer step, an in-place write (version counter), a new tensor or `mark_weights_changed()` (writes
+        through `.data` bypass the version counter). The cache itself is returned: read it, never write it. Raises a
+        `ValueError` naming the parameter if the weight holds NaN or inf."""
         q, s, _, _ = self._quantized(check_finite=True)
         return q, s
 
