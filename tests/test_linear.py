@@ -138,6 +138,15 @@ def _sm90() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
+def test_auto_takes_the_oracle_for_weight_blocks_the_fast_gemms_refuse():
+    layer = FP8Linear(256, 256, backend="auto", weight_block_size=(64, 128), device="cuda")
+    y = layer(torch.randn(8, 256, device="cuda"))
+    assert layer._backend_for(y.device) is emulated
+    assert FP8Linear(256, 256, backend="auto", device="cuda")._backend_for(y.device) is not emulated
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
 @pytest.mark.parametrize("m", [128, 200])
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
 def test_torch_backend_matches_emulated(m, b_block):

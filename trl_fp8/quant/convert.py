@@ -233,7 +233,7 @@ def _te_linear_for(model: nn.Module, recipe):
     on_gpu = any(p.is_cuda for p in model.parameters())
     if recipe.backend == "te" and not (ok and on_gpu):
         raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else 'the model is not on a GPU'}")
-    if not (ok and on_gpu):
+    if not (ok and on_gpu) or recipe.weight_block_size != [128, 128]:  # TE's block recipe is 128x128 only
         return None
     logger.info("trl-fp8: backend=%r converts linears to TransformerEngine (%s)", recipe.backend, why)
     return te_linear_class()

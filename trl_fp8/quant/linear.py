@@ -255,7 +255,9 @@ class FP8Linear(nn.Linear):
 
     def _backend_for(self, device: torch.device):
         if device not in self._backends:
-            self._backends[device] = resolve_backend(self.backend, device)
+            # Only the oracle takes weight blocks other than 128x128: `auto` must not pick a GEMM that refuses them.
+            auto_other_block = self.backend == "auto" and self.weight_block_size != (128, 128)
+            self._backends[device] = resolve_backend("emulated" if auto_other_block else self.backend, device)
         return self._backends[device]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
