@@ -205,6 +205,16 @@ def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
         torch.testing.assert_close(torch.tensor([x[0] for x in lp]), full, atol=1e-4, rtol=1e-4)
 
 
+def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
+    from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3
+
+    with pytest.raises(ValueError, match=r"not supported for deepseek_v3: its multi-head latent attention"):
+        ReferenceEngine(
+            tiny_deepseek_v3(), Accelerator(cpu=True), MOONLIGHT_RECIPE, fp8=True, dtype=torch.float32,
+            kv_cache=True, eos_token_ids=[1], pad_token_id=0,
+        )  # fmt: skip
+
+
 def test_kv_cache_config_errors(tmp_path):
     with pytest.raises(ValueError, match="fp8_kv_cache=True needs fp8_generation=True"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_cache=True, fp8_generation=False)

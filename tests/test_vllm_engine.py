@@ -25,6 +25,7 @@ from trl_fp8.generation.vllm_fp8 import (
     deep_gemm_e8m0_env,
     fp8_llm_kwargs,
     refit,
+    reload_in_config,
     validate_stream,
 )
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
@@ -290,6 +291,18 @@ def test_validate_stream_refuses_bad_streams_before_sending():
         validate_stream([(n, t[:, :1] if n == name else t) for n, t in pairs], None)
     with pytest.raises(ValueError, match=r"changed since the first sync: missing \['model.norm.weight'\]"):
         validate_stream([(n, t) for n, t in pairs if n != "model.norm.weight"], meta)
+    # vLLM would take a non-positive KV scale for 1.0 without a word.
+    kv = [*pairs, ("model.layers.0.self_attn.k_scale", torch.tensor(-1.0))]
+    with pytest.raises(ValueError, match=r"non-positive scales in \['model.layers.0.self_attn.k_scale'\]"):
+        validate_stream(kv, None)
+
+
+def test_fp8_kv_cache_is_refused_for_latent_attention():
+    """vLLM caches MLA's compressed latent, not the K/V the calibration measures, and loads no `self_attn.k_scale`
+    there: DeepSeek-V3-style models are refused before an engine is built."""
+    with pytest.raises(ValueError, match=r"fp8_kv_cache=True is not supported for deepseek_v3.*kv_lora_rank"):
+        fp8_llm_kwargs(tiny_deepseek_v3(), MOONLIGHT_RECIPE, kv_cache=True)
+    assert "kv_cache_dtype" not in fp8_llm_kwargs(tiny_deepseek_v3(), MOONLIGHT_RECIPE)
 
 
 @pytest.mark.skipif(_vllm_installed(), reason="with vLLM installed this would build a real engine")
@@ -336,11 +349,7 @@ def test_refit_call_sequence(sleep_mode):
     pairs = [("a.weight", torch.zeros(2)), ("b.weight", torch.ones(2))]
     llm = _RecordingLLM()
     refit(llm, pairs, wake_weights=sleep_mode)
-    reload = (
-        "collective_rpc",
-        "reload_weights",
-        {"weights_iterator": ["a.weight", "b.weight"], "is_checkpoint_format": True},
-    )
+    reload = ("collective_rpc", reload_in_config, {"weights_iterator": ["a.weight", "b.weight"]})
     assert llm.calls == [("wake_up", ["weights"])] * sleep_mode + [reload, ("reset_prefix_cache",)]
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..quant.export import iter_fp8_state, iter_hp_state
-from ..quant.kv_cache import calibrate_kv_scales
+from ..quant.kv_cache import calibrate_kv_scales, check_kv_cache_supported
 from ..quant.linear import weights_epoch
 
 
@@ -24,6 +24,8 @@ class LearnerStream:
     def _init_stream(
         self, model, accelerator, recipe, *, fp8: bool, kv_cache: bool, kv_scale_percentile: float, kv_scale_margin
     ) -> None:
+        if kv_cache:
+            check_kv_cache_supported(accelerator.unwrap_model(model).config)
         self.model, self.accelerator, self.recipe, self.fp8 = model, accelerator, recipe, fp8
         self.kv_cache, self.kv_scale_percentile, self.kv_scale_margin = kv_cache, kv_scale_percentile, kv_scale_margin
         # Set by the trainer: `(input_ids, attention_mask)` of a small slice of the latest batch.

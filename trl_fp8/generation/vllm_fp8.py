@@ -6,11 +6,12 @@ scales (DESIGN §3), so that the sampler's weight grid is the learner's bit for 
 - `_init_vllm`: TRL builds the `LLM` (TP groups, environment, sleep mode) with this module's arguments merged in:
   `quantization="fp8"`, `hf_overrides={"quantization_config": <block 128x128, dynamic, e4m3, ignored_layers>}`,
   `load_format="dummy"` (the first sync fills the weights), `kv_cache_dtype="fp8"` with an FP8 KV cache, and the
-  user's `vllm_llm_kwargs`. `VLLM_USE_DEEP_GEMM_E8M0` follows the recipe's `pow2_scales`, so vLLM never re-rounds
-  the learner's scales.
+  user's `vllm_llm_kwargs`. `VLLM_USE_DEEP_GEMM_E8M0` follows the recipe's `pow2_scales`: with fp32 scales vLLM
+  keeps the learner's bytes; with pow2 scales its DeepGEMM E8M0 path may renormalize a block (codes times 2^k,
+  scale over 2^k), which represents the very same values.
 - `sync_weights`: the checkpoint-format stream (`...weight` e4m3 + `...weight_scale_inv` fp32, BF16 for the rest,
-  Q/K/V scales) goes through vLLM's in-place layerwise reload (`Worker.reload_weights(weights_iterator=...,
-  is_checkpoint_format=True)`), which fuses q/k/v and gate/up with vLLM's own loaders and copies into the original
+  Q/K/V scales) goes through vLLM's in-place layerwise reload (`model_runner.reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)` under the engine's config, as 0.31's `Worker.reload_weights` runs it), which fuses q/k/v and gate/up with vLLM's own loaders and copies into the original
   storage, then `reset_prefix_cache()`. The stream is validated before the engine is touched. With sleep mode the
   weights are woken first (never a bare reload, which would restore the disk checkpoint: trl#5312); TRL's
   `generate` wakes the KV cache.
@@ -27,6 +28,7 @@ from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from ..quant.export import split_fused_experts, stream_nbytes
+from ..quant.kv_cache import KV_SCALE_SUFFIXES, check_kv_cache_supported
 from .reference import refuse_reserved
 from .stream import LearnerStream
 from .vllm_layout import check_vllm_fp8_layers
@@ -107,6 +109,7 @@ def fp8_llm_kwargs(model, recipe, *, tp_size: int = 1, kv_cache: bool = False, u
     hf_overrides["quantization_config"] = vllm_quantization_config(recipe, ignored)
     kwargs = {**user_kwargs, "quantization": "fp8", "hf_overrides": hf_overrides, "load_format": "dummy"}
     if kv_cache:
+        check_kv_cache_supported(model.config)
         kwargs["kv_cache_dtype"] = "fp8"
     return kwargs
 
@@ -151,6 +154,8 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
             if tuple(t.shape[-2:]) != (-(-n // 128), -(-k // 128)) or t.dtype != torch.float32:
                 raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; {weight} {n}x{k} needs fp32 128x128 blocks")
             checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
+        elif name.endswith(KV_SCALE_SUFFIXES):  # vLLM would take a non-positive KV scale for 1.0, silently
+            checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
         elif t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
             checks.append((name, torch.isfinite(t).all()))
     if checks:
@@ -161,12 +166,22 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
     return meta
 
 
+def reload_in_config(worker, weights_iterator) -> None:
+    """Runs on each vLLM worker (`LLM.collective_rpc` passes it): 0.31's `Worker.reload_weights` exactly. 0.22's
+    lacks the config context, which MoE kernels built while reprocessing the weights read
+    (`get_current_vllm_config`)."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
+
+
 def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:
     """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache."""
     if wake_weights:
         empty_cache()
         llm.wake_up(tags=["weights"])
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs), "is_checkpoint_format": True})
+    llm.collective_rpc(reload_in_config, kwargs={"weights_iterator": iter(pairs)})
     llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
 
 

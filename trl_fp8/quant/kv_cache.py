@@ -26,6 +26,18 @@ from .blockwise import FP8_DTYPE, FP8_MAX
 
 
 _TINY = torch.finfo(torch.float32).tiny
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale")  # vLLM's checkpoint names, under each `self_attn`
+
+
+def check_kv_cache_supported(config) -> None:
+    """Refuses models whose KV cache the FP8 KV cache here does not model: MLA (DeepSeek-V2/V3, Moonlight) caches a
+    compressed latent in vLLM, not the K/V this calibrates, and vLLM finds no `self_attn.k_scale` to load there."""
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"fp8_kv_cache=True is not supported for {getattr(config, 'model_type', 'this model')}: its multi-head "
+            "latent attention caches a compressed latent (kv_lora_rank), whose scales trl-fp8 does not calibrate. "
+            "Set fp8_kv_cache=False."
+        )
 
 
 def quantize_kv(x: torch.Tensor, scale_inv: float) -> torch.Tensor:
