@@ -305,6 +305,19 @@ def test_fp8_kv_cache_is_refused_for_latent_attention():
     assert "kv_cache_dtype" not in fp8_llm_kwargs(tiny_deepseek_v3(), MOONLIGHT_RECIPE)
 
 
+def test_latent_attention_runs_eagerly_on_vllm_before_0_31():
+    """Before 0.31 vLLM re-derives MLA's W_UV / W_UK_T as new tensors at each reload, which captured CUDA graphs
+    would not see."""
+    model, recipe = tiny_deepseek_v3(), MOONLIGHT_RECIPE
+    assert fp8_llm_kwargs(model, recipe, vllm_version="0.22.0")["enforce_eager"] is True
+    assert "enforce_eager" not in fp8_llm_kwargs(model, recipe, vllm_version="0.31.0")
+    assert "enforce_eager" not in fp8_llm_kwargs(
+        _model(LlamaConfig, LlamaForCausalLM), FP8Recipe(), vllm_version="0.22.0"
+    )
+    with pytest.raises(ValueError, match=r"vLLM 0.27.1 with multi-head latent attention needs enforce_eager=True"):
+        fp8_llm_kwargs(model, recipe, vllm_version="0.27.1", user_kwargs={"enforce_eager": False})
+
+
 @pytest.mark.skipif(_vllm_installed(), reason="with vLLM installed this would build a real engine")
 def test_trl_builds_the_fp8_engine_in_its_vllm_slot(tmp_path, demo_tokenizer):
     """The real GRPOTrainer, given use_vllm=True, constructs FP8VLLMGeneration with its own arguments: without vLLM

@@ -19,6 +19,7 @@ scales (DESIGN §3), so that the sampler's weight grid is the learner's bit for 
 Every vLLM symbol used here was read in the source of vLLM 0.22.0 and 0.31.0 (the `vllm` extra's range).
 """
 
+import logging
 import os
 import time
 
@@ -32,6 +33,9 @@ from ..quant.kv_cache import KV_SCALE_SUFFIXES, check_kv_cache_supported
 from .reference import refuse_reserved
 from .stream import LearnerStream
 from .vllm_layout import check_vllm_fp8_layers
+
+
+logger = logging.getLogger(__name__)
 
 
 VLLM_SPECIFIER = ">=0.22.0,<=0.31.0"  # the `vllm` extra of pyproject.toml; tested to agree
@@ -99,8 +103,17 @@ def vllm_quantization_config(recipe, ignored_layers: list[str]) -> dict:
     }
 
 
-def fp8_llm_kwargs(model, recipe, *, tp_size: int = 1, kv_cache: bool = False, user_kwargs: dict | None = None):
-    """What `FP8VLLMGeneration` adds to TRL's `LLM(...)` arguments for `model` (the unwrapped learner)."""
+def fp8_llm_kwargs(
+    model,
+    recipe,
+    *,
+    tp_size: int = 1,
+    kv_cache: bool = False,
+    user_kwargs: dict | None = None,
+    vllm_version: str | None = None,
+):
+    """What `FP8VLLMGeneration` adds to TRL's `LLM(...)` arguments for `model` (the unwrapped learner) and the
+    installed `vllm_version`."""
     if tuple(recipe.weight_block_size) != (128, 128):
         raise ValueError(f"vLLM serves block FP8 in 128x128 blocks; fp8_recipe has {recipe.weight_block_size}")
     user_kwargs = check_llm_kwargs(user_kwargs)
@@ -111,6 +124,17 @@ def fp8_llm_kwargs(model, recipe, *, tp_size: int = 1, kv_cache: bool = False, u
     if kv_cache:
         check_kv_cache_supported(model.config)
         kwargs["kv_cache_dtype"] = "fp8"
+    if getattr(model.config, "kv_lora_rank", None) and vllm_version and Version(vllm_version) < Version("0.31.0"):
+        # Before 0.31 MLA re-derives W_UV / W_UK_T as new tensors at every reload (0.31 copies them in place): a
+        # captured CUDA graph would keep reading the old ones after each refit.
+        if user_kwargs.get("enforce_eager") is False:
+            raise ValueError(
+                f"vLLM {vllm_version} with multi-head latent attention needs enforce_eager=True under refits (its "
+                "CUDA graphs would keep reading the first weights); drop enforce_eager=False or use vLLM >= 0.31.0"
+            )
+        if "enforce_eager" not in user_kwargs:
+            logger.warning("trl-fp8: vLLM %s runs multi-head latent attention eagerly under refits", vllm_version)
+        kwargs["enforce_eager"] = True
     return kwargs
 
 
@@ -228,7 +252,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
     def _init_vllm(self) -> None:
         if self.mode != "colocate":
             raise ValueError(f"FP8VLLMGeneration runs colocated vLLM only, got vllm_mode={self.mode!r}")
-        check_vllm_version()
+        version = check_vllm_version()
         policy = self.accelerator.unwrap_model(self.model)
         if not getattr(policy, "name_or_path", None):
             raise ValueError(
@@ -241,6 +265,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             tp_size=self.tensor_parallel_size,
             kv_cache=self.kv_cache,
             user_kwargs=self.vllm_llm_kwargs,
+            vllm_version=version,
         )
         os.environ["VLLM_USE_DEEP_GEMM_E8M0"] = deep_gemm_e8m0_env(self.recipe)
         import trl.generation.vllm_generation as trl_vllm
