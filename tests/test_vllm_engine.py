@@ -108,6 +108,8 @@ def test_config_refuses_server_mode_and_stray_vllm_kwargs():
         _config(use_vllm=True, vllm_mode="server")
     with pytest.raises(ValueError, match="use_vllm=False"):
         _config(vllm_llm_kwargs={"enforce_eager": True})
+    with pytest.raises(ValueError, match=r"fp8_generation=False: TRL's own BF16 vLLM engine samples"):
+        _config(use_vllm=True, fp8_generation=False, vllm_llm_kwargs={"enforce_eager": True})
     assert _config(use_vllm=True).vllm_mode == "colocate"
 
 

@@ -14,7 +14,7 @@ RECIPE_NAME = "fp8_recipe.json"
 @dataclass
 class FP8Recipe(PushToHubMixin):
     r"""
-    The FP8 recipe of DESIGN §1: E4M3 everywhere, 128x128 weight blocks, 1x128 activation and gradient blocks, fp32
+    The FP8 recipe (NeMo RL's, TransformerEngine's `Float8BlockScaling`): E4M3 everywhere, 128x128 weight blocks, 1x128 activation and gradient blocks, fp32
     (or power-of-2) scales; attention, norms, embeddings, `lm_head` and MoE routers stay in high precision.
 
     Parameters:
@@ -28,7 +28,8 @@ class FP8Recipe(PushToHubMixin):
             Round scales down to powers of two (TransformerEngine's default, DeepGEMM's UE8M0, required on
             Blackwell). `False` keeps plain fp32 scales, as NeMo RL ships (`NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`).
         backend (`str`, *optional*, defaults to `"auto"`):
-            GEMM backend of the learner: `"auto"` (fastest available), `"emulated"` (dequantize + fp32 matmul, any
+            GEMM backend of the learner: `"auto"` (TE where it runs the recipe, else `torch`, else `triton`, else
+            `emulated`; `emulated` for weight blocks other than 128x128), `"emulated"` (dequantize + fp32 matmul, any
             device), `"torch"` (`F.scaled_mm` blockwise, Hopper), `"triton"` (trl-fp8's Triton kernels, Hopper) or
             `"te"` (TransformerEngine).
         num_first_layers_in_bf16 (`int`, *optional*, defaults to `0`):

@@ -6,7 +6,7 @@ then needs no padding, which keeps the position ids seen by ``generate`` and by 
 
 The shipped model (``DEMO_MODEL_DIR``, made by ``python -m trl_fp8.demo.make_model``) is a small Llama pre-trained on
 this task with noisy answers and stopped early on purpose: greedy decoding solves about 80% of the prompts but sampling
-at temperature 1.0 only about 30%, so GRPO has a clear, quickly measurable reward signal to improve (see
+at temperature 1.0 only about a quarter, so GRPO has a clear, quickly measurable reward signal to improve (see
 ``python -m trl_fp8.demo.check_grpo``).
 """
 

@@ -1,7 +1,7 @@
 """The reference sampling engine: a transformers model in vLLM's W8A8 block-FP8 numerics, on any device.
 
 It is a separate copy of the policy, as a colocated vLLM engine is: its converted linears hold the e4m3 weights and
-`weight_scale_inv` of the export stream (DESIGN §3) and quantize activations per token in groups of 128 the way
+`weight_scale_inv` of the export stream (`trl_fp8.quant.export`) and quantize activations per token in groups of 128 the way
 vLLM does; attention, norms, embeddings and `lm_head` run in the sampler's dtype, decoding with a KV cache
 (`generate`). It is refitted from the learner's stream whenever the learner's weights changed, and returns, for
 every sampled token, its log-probability after temperature / top-k / top-p (vLLM's `processed_logprobs`), so that

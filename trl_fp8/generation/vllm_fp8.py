@@ -1,5 +1,5 @@
 """Colocated vLLM in DeepSeek-style block FP8, refitted every optimizer step with the learner's own FP8 weights and
-scales (DESIGN §3), so that the sampler's weight grid is the learner's bit for bit.
+scales (`trl_fp8.quant.export`'s stream), so that the sampler's weight grid is the learner's bit for bit.
 
 `FP8VLLMGeneration` is TRL's `VLLMGeneration` with two choke points wrapped, nothing copied:
 

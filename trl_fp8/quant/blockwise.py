@@ -1,4 +1,4 @@
-"""Blockwise E4M3 quantization: the readable reference of the recipe (DESIGN §1).
+"""Blockwise E4M3 quantization: the readable reference of the recipe.
 
 A tensor is cut into blocks over its last two dims (`block_size = (rows, cols)`): `(128, 128)` for weights,
 `(1, 128)` for activations and gradients (one block per row and per 128 elements of the contraction dim). Each block

@@ -173,7 +173,7 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
     if unmatched:
         warnings.warn(
             f"trl-fp8: FP8Recipe.modules_to_not_convert {unmatched} match no module of {type(model).__name__} "
-            "(misspelt?), so they keep nothing in high precision",
+            "(misspelt, or not in this architecture?), so they keep nothing in high precision",
             stacklevel=2,
         )
     if not selected and not experts:

@@ -1,4 +1,4 @@
-"""The FP8 state stream (DESIGN §3): one format for refitting samplers and for writing checkpoints.
+"""The FP8 state stream: one format for refitting samplers and for writing checkpoints.
 
 `iter_fp8_state(model)` yields `(name, tensor)` in Hugging Face parameter names, in the DeepSeek-V3 / vLLM
 block-FP8 checkpoint format:

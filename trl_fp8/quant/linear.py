@@ -1,4 +1,4 @@
-"""`FP8Linear`: an `nn.Linear` whose three GEMMs run on blockwise-E4M3 operands (DESIGN §1).
+"""`FP8Linear`: an `nn.Linear` whose three GEMMs run on blockwise-E4M3 operands.
 
 The module keeps its master weight in its own dtype (the optimizer never sees FP8) and caches the quantized weight
 while the weight is unchanged (its version counter), so micro-batches, the old-logprob pass and the export stream
@@ -145,8 +145,9 @@ class FP8Linear(nn.Linear):
         in_features (`int`), out_features (`int`), bias (`bool`), device, dtype:
             As for `nn.Linear`.
         backend (`str`, *optional*, defaults to `"auto"`):
-            GEMM backend: `"auto"`, `"emulated"`, `"torch"` or `"triton"` (see `trl_fp8.quant.backends`). Resolved on the first
-            forward, for the device of the input.
+            GEMM backend: `"auto"`, `"emulated"`, `"torch"` or `"triton"` (see `trl_fp8.quant.backends`). Resolved on
+            the first forward, for the device of the input; `"auto"` takes `"emulated"` for weight blocks other than
+            128x128.
         pow2_scales (`bool`, *optional*, defaults to `False`):
             Round every scale down to a power of two.
         weight_block_size (`tuple[int, int]`, *optional*, defaults to `(128, 128)`):

@@ -22,19 +22,22 @@ class FP8GRPOConfig(GRPOConfig):
 
         fp8_recipe (`FP8Recipe`, `dict`, `str` or `None`, *optional*, defaults to `None`):
             The FP8 recipe: an [`FP8Recipe`], a dict of its fields (or that dict as a JSON string, from the command
-            line), or a path to a recipe file / a folder holding `fp8_recipe.json`. `None` means `FP8Recipe()`:
+            line), a path to a recipe file / a folder holding `fp8_recipe.json`, or a Hub id of such a folder.
+            `None` means `FP8Recipe()`:
             E4M3, 128x128 weight blocks, 1x128 activation blocks, fp32 scales.
         fp8_training (`bool`, *optional*, defaults to `True`):
             Run the learner's decoder linears in FP8 (forward, and both backward GEMMs). The old-logprob and
             reference-model passes run in the same numerics, so the PPO ratio is ~1 on-policy.
         fp8_generation (`bool`, *optional*, defaults to `True`):
             Sample with W8A8 block-FP8 linears whose weights and scales are the learner's own quantization (or the
-            recipe's quantization of the learner's weights when `fp8_training=False`: "FP8 generation only").
+            recipe's quantization of the learner's weights when `fp8_training=False`: "FP8 generation only"). Needs
+            the recipe's 128x128 weight blocks, the only ones vLLM serves.
         fp8_kv_cache (`bool`, *optional*, defaults to `False`):
             Sample with an FP8 (E4M3) KV cache, half the memory of BF16, and FP8 queries (as vLLM's FP8-KV attention
             runs). Its per-layer Q/K/V scales are recalibrated from the updated learner after every optimizer step (a
             no-grad forward of the learner's decoder on a small slice of the latest batch) and travel in the sync
-            stream in vLLM's names (`k_scale`, `v_scale`, `q_scale`). Requires `fp8_generation`.
+            stream in vLLM's names (`k_scale`, `v_scale`, `q_scale`). Requires `fp8_generation`; refused for
+            multi-head latent attention (DeepSeek-V3, Moonlight), whose cache vLLM stores as a compressed latent.
         fp8_kv_scale_percentile (`float`, *optional*, defaults to `99.9`):
             Percentile, over tokens, of the per-token K/V amax that sets each layer's scale.
         fp8_kv_scale_margin (`float`, *optional*, defaults to `1.05`):
@@ -50,7 +53,9 @@ class FP8GRPOConfig(GRPOConfig):
             Extra keyword arguments for `vllm.LLM(...)` when `use_vllm=True` (a JSON string from the command line),
             e.g. `{"enforce_eager": true, "max_num_batched_tokens": 8192}`. The keys the engine sets itself (model,
             quantization, load_format, seed, tensor_parallel_size, kv_cache_dtype, ...) are refused with the config
-            field to use instead. Only `vllm_mode="colocate"` is supported.
+            field to use instead. Only `vllm_mode="colocate"` is supported. With `fp8_generation=False` TRL's own
+            BF16 vLLM engine samples (no `fp8/sync_*` metrics), configured by TRL's `vllm_*` fields: these are then
+            refused.
         fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
             Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
             `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch.
@@ -69,8 +74,8 @@ class FP8GRPOConfig(GRPOConfig):
     fp8_recipe: dict[str, Any] | str | None = field(
         default=None,
         metadata={
-            "help": "The FP8 recipe: a dict of FP8Recipe fields (a JSON string on the command line), or a path to a "
-            "recipe file or a folder holding fp8_recipe.json. Defaults to FP8Recipe()."
+            "help": "The FP8 recipe: a dict of FP8Recipe fields (a JSON string on the command line), a path to a "
+            "recipe file or a folder holding fp8_recipe.json, or a Hub id of such a folder. Defaults to FP8Recipe()."
         },
     )
     fp8_training: bool = field(
@@ -179,6 +184,11 @@ class FP8GRPOConfig(GRPOConfig):
             check_llm_kwargs(self.vllm_llm_kwargs)
             if not self.use_vllm:
                 raise ValueError("vllm_llm_kwargs is set but use_vllm=False: set use_vllm=True to sample with vLLM.")
+            if not self.fp8_generation:
+                raise ValueError(
+                    "vllm_llm_kwargs is set but fp8_generation=False: TRL's own BF16 vLLM engine samples then, and it "
+                    "takes its arguments from TRL's vllm_* fields (e.g. vllm_gpu_memory_utilization)."
+                )
         if self.use_vllm and self.vllm_mode != "colocate":
             raise ValueError(
                 f"vllm_mode={self.vllm_mode!r} is not supported by FP8GRPOTrainer: TRL's server client sends BF16 "

@@ -39,8 +39,12 @@ class FP8GRPOTrainer(GRPOTrainer):
       (`vllm_importance_sampling_*`) to the engine's log-probs.
     - `_generate_and_score_completions`: calls TRL's, then logs the mismatch metrics NeMo RL and verl log
       (`sampling/token_mult_prob_error`, `sampling/gen_kl`, `sampling/is_oob_ratio`) and the sync cost
-      (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`); for MoE models, `fp8/router_mismatch`, the
-      share of (token, layer) pairs whose top-k experts differ between sampler and learner on the same sequences.
+      (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`, with training even when an evaluation ran the
+      refit; `fp8/kv_calibration_seconds` with the FP8 KV cache), `fp8/backend/<name>` (the learner's kernels); for
+      MoE models with the reference engine, `fp8/router_mismatch`, the share of (token, layer) pairs whose top-k
+      experts differ between sampler and learner on the same sequences.
+    - `train`: makes TRL refit the engine before a second `train()` call's first generation.
+    - `push_to_hub`: with `fp8_save_format="fp8"` uploads the FP8 checkpoint.
 
     - `create_model_card`: TRL's card, plus a section with the recipe, the FP8 settings and the run's mismatch.
     - `save_model`: with `fp8_save_format="fp8"`, writes the block-FP8 checkpoint of the export stream; always writes
@@ -360,4 +364,6 @@ def learner_backend(policy, recipe) -> str:
     if any(is_te_linear(m) for m in policy.modules()):
         return "te"
     device = next(policy.parameters()).device
-    return resolve_backend("emulated" if recipe.backend == "te" else recipe.backend, device).name
+    auto_other_block = recipe.backend == "auto" and list(recipe.weight_block_size) != [128, 128]
+    name = "emulated" if recipe.backend == "te" or auto_other_block else recipe.backend  # as FP8Linear resolves it
+    return resolve_backend(name, device).name
