@@ -131,6 +131,19 @@ def test_sampler_act_quantization_bit_exact_against_reference(pow2):
         torch.testing.assert_close(s[nonzero], s_learner[nonzero], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_a_block_of_subnormals_gets_the_largest_finite_scale(pow2):
+    """448 / amax overflows fp32 for a subnormal amax: the scale is then fp32's max, never inf (whose scale_inv 0
+    would turn the block's zeros into NaN on the way back)."""
+    x = many_scales(4, 256, (1, 128), seed=5)
+    x[1, :128] = torch.linspace(-1e-40, 1e-40, 128)
+    q, s = quantize_blockwise(x, (1, 128), pow2_scales=pow2)
+    q_ref, s_ref = reference_quantize(x, (1, 128), pow2)
+    assert_bits_equal(q, q_ref)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    assert torch.isfinite(dequantize_blockwise(q, s, (1, 128))).all() and s[1, 0] > 0
+
+
 def test_block_amax_maps_to_448():
     x = torch.randn(256, 256)
     x[3, 5] = 7.25  # the amax of block (0, 0)

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
-from trl_fp8.quant import FP8Linear, fp8_modules
+from trl_fp8.quant import FP8Linear, fp8_modules, select_fp8_linears
 
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,6 +64,13 @@ def test_misaligned_layers_stay_high_precision_with_one_warning():
     assert len(fp8_modules(model)) == 3 * 4
 
 
+def test_glob_patterns_and_linear_routers_stay_in_high_precision(tiny_llama):
+    selected, _ = select_fp8_linears(tiny_llama, FP8Recipe(modules_to_not_convert=["mlp.*"]))
+    assert selected and not any(".mlp." in name for name in selected)
+    tiny_llama.model.layers[0].mlp.gate = nn.Linear(256, 128, bias=False)  # a router that is a plain nn.Linear
+    assert "model.layers.0.mlp.gate" not in select_fp8_linears(tiny_llama, FP8Recipe())[0]
+
+
 def test_a_recipe_that_keeps_nothing_or_converts_nothing_says_so(tiny_llama):
     with pytest.warns(UserWarning, match=r"modules_to_not_convert \['mlp.dwon_proj'\] match no module.*misspelt"):
         convert_to_fp8(copy.deepcopy(tiny_llama), FP8Recipe(modules_to_not_convert=["mlp.dwon_proj", "down_proj"]))
@@ -101,6 +108,8 @@ def test_training_step_changes_every_parameter(tiny_qwen2):
         ({"weight_block_size": None}, "weight_block_size must be a list, got NoneType"),
         ({"activation_block_size": None}, "activation_block_size must be a list, got NoneType"),
         ({"weight_block_size": [True, 128]}, "weight_block_size must be two positive ints"),
+        ({"weight_block_size": [64, 64], "backend": "te"}, "weight_block_size"),
+        ({"num_first_layers_in_bf16": True}, "num_first_layers_in_bf16"),
     ],
 )
 def test_invalid_recipe_names_the_field(kwargs, field):

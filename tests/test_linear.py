@@ -26,8 +26,10 @@ def make_layer(in_f=384, out_f=256, bias=True, seed=0):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("tokens", [(4, 33), (130,)], ids=["batch_x_seq", "flat_partial_block"])
-def test_forward_and_gradients_match_dequantized_reference(bias, tokens):
+@pytest.mark.parametrize("block", [(128, 128), (64, 128)], ids=["w128x128", "w64x128"])
+def test_forward_and_gradients_match_dequantized_reference(bias, tokens, block):
     _, fp8 = make_layer(bias=bias)
+    fp8.weight_block_size = block  # dgrad reads W's blocks transposed: a non-square block must not break it
     x = torch.randn(*tokens, 384, requires_grad=True)
     y = fp8(x)
     dy = torch.randn_like(y)
@@ -35,10 +37,10 @@ def test_forward_and_gradients_match_dequantized_reference(bias, tokens):
 
     x2d, dy2d = x.detach().reshape(-1, 384), dy.reshape(-1, 256)
     w = fp8.weight.detach()
-    y_ref = q_dq(x2d, (1, 128)) @ q_dq(w, (128, 128)).t()
+    y_ref = q_dq(x2d, (1, 128)) @ q_dq(w, block).t()
     if bias:
         y_ref = y_ref + fp8.bias.detach()
-    dx_ref = q_dq(dy2d, (1, 128)) @ q_dq(w, (128, 128))  # dgrad: dY (1x128 along N) . W (128x128)
+    dx_ref = q_dq(dy2d, (1, 128)) @ q_dq(w, block)  # dgrad: dY (1x128 along N) . W (its blocks)
     dw_ref = q_dq(dy2d.t(), (1, 128)) @ q_dq(x2d.t(), (1, 128)).t()  # wgrad: both 1x128 along tokens
 
     torch.testing.assert_close(y.reshape(-1, 256), y_ref, rtol=1e-5, atol=1e-5)

@@ -110,6 +110,10 @@ def test_export_to_reference_engine_round_trip_is_bit_identical(build, recipe):
     fused = dict(learner.named_modules())[name]
     w_dq = dequantize_blockwise(*fused.quantized("down_proj"))[0]
     assert torch.equal(e0.down_proj.dequantized_weight(), w_dq)
+    gate_up = dequantize_blockwise(*fused.quantized("gate_up_proj"))[0]
+    inter = gate_up.shape[0] // 2
+    assert torch.equal(e0.gate_proj.dequantized_weight(), gate_up[:inter])
+    assert torch.equal(e0.up_proj.dequantized_weight(), gate_up[inter:])
 
 
 @pytest.mark.parametrize(

@@ -289,6 +289,32 @@ def test_every_generation_samples_with_the_learners_current_weights(tmp_path, de
     assert stale == [0, 0]
 
 
+def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_tokenizer):
+    """token_mult_prob_error = mean exp|d|, gen_kl = mean (exp(d) - 1 - d) (k3), is_oob_ratio = share of masked tokens
+    whose ratio exp(d) leaves [clip_min, clip_max] (through their sequence's summed log-ratio in sequence modes),
+    with d = logp_train - logp_gen over the completion mask."""
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    d = torch.tensor([[0.8, -0.1, -0.1], [0.5, 0.5, 3.0]])  # exp(0.8) > 2 alone; row 2 sums to 1.0 over its mask
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    gen = torch.full_like(d, -2.0)
+    output = {"sampling_per_token_logps": gen, "old_per_token_logps": gen + d, "completion_mask": mask}
+    live = d[mask.bool()]
+    for mode, oob in (("token_truncate", 1 / 5), ("sequence_mask", 2 / 5)):
+        trainer.vllm_importance_sampling_mode = mode
+        trainer._metrics["train"].clear()
+        trainer._log_mismatch(output, "train")
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        assert metrics["sampling/token_mult_prob_error"] == pytest.approx(live.abs().exp().mean().item())
+        assert metrics["sampling/gen_kl"] == pytest.approx((live.exp() - 1 - live).mean().item())
+        assert metrics["sampling/is_oob_ratio"] == pytest.approx(oob), mode
+
+
 def test_config_defaults_and_contradictions(tmp_path):
     args = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     assert args.vllm_importance_sampling_mode == "token_truncate"

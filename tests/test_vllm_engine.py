@@ -187,6 +187,8 @@ def test_export_stream_fills_vllm_block_fp8_parameters(config_cls, model_cls, tp
     recipe = FP8Recipe()
     check_vllm_fp8_layers(model, recipe, tp)
     convert_to_fp8(model, recipe)
+    names = [name for name, _ in iter_fp8_state(model)]
+    assert len(names) == len(set(names))  # a name twice (a bias after its weight, say) would fail vLLM's reload
     stream = dict(iter_fp8_state(model))
     layers = vllm_linears(model, tp)
     global_rows = {layer.name: layer.output_partition_sizes for layer in vllm_linears(model, 1)}
@@ -222,6 +224,14 @@ def test_tp_block_shape_error_names_the_layer():
         check_vllm_fp8_layers(model, FP8Recipe(), 2)
     with pytest.raises(ValueError, match=r"fuses model.layers.0.self_attn.qkv_proj.*k_proj \(high precision\)"):
         check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["k_proj"]), 1)
+
+
+def test_kv_heads_replicated_over_ranks_keep_their_rows():
+    """With fewer KV heads than ranks vLLM replicates them: each rank still holds a whole head of k and v."""
+    model = _model(LlamaConfig, LlamaForCausalLM, **TP_READY)  # 2 KV heads of 128 rows, 4 ranks
+    assert check_vllm_fp8_layers(model, FP8Recipe(), 4) == []
+    qkv = next(layer for layer in vllm_linears(model, 4) if layer.name.endswith("qkv_proj"))
+    assert qkv.output_partition_sizes == (128, 128, 128)
 
 
 def test_tp_block_shape_error_names_the_part_of_a_module_fused_on_disk():
@@ -293,6 +303,10 @@ def test_validate_stream_refuses_bad_streams_before_sending():
         validate_stream([(n, t[:, :1] if n == name else t) for n, t in pairs], None)
     with pytest.raises(ValueError, match=r"changed since the first sync: missing \['model.norm.weight'\]"):
         validate_stream([(n, t) for n, t in pairs if n != "model.norm.weight"], meta)
+    for bad_scale in (0.0, -1.0):  # a zero or negative weight scale would zero or flip the layer in vLLM
+        bad = [(n, t.clone().fill_(bad_scale) if n == name else t) for n, t in pairs]
+        with pytest.raises(ValueError, match=rf"non-positive scales in \['{name}'\]"):
+            validate_stream(bad, meta)
     # vLLM would take a non-positive KV scale for 1.0 without a word.
     kv = [*pairs, ("model.layers.0.self_attn.k_scale", torch.tensor(-1.0))]
     with pytest.raises(ValueError, match=r"non-positive scales in \['model.layers.0.self_attn.k_scale'\]"):
