@@ -13,6 +13,17 @@ from trl_fp8.generation.reference import ReferenceEngine
 from trl_fp8.quant import FP8Linear, W8A8Linear, iter_fp8_state, quantize_blockwise
 
 
+def digit_trainer(tmp_path, tokenizer, **args) -> FP8GRPOTrainer:
+    """A fresh tiny policy learning the digit-count reward on 16 prompts, with `tiny_grpo_args(tmp_path, **args)`."""
+    return FP8GRPOTrainer(
+        model=tiny_policy(tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, **args),
+        train_dataset=make_dataset(16),
+        processing_class=tokenizer,
+    )
+
+
 def train_and_check(trainer):
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -26,13 +37,7 @@ def train_and_check(trainer):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
 def test_train_loss_types(tmp_path, demo_tokenizer, loss_type):
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, loss_type=loss_type),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, loss_type=loss_type)
     assert all(isinstance(trainer.model.get_submodule(f"model.layers.{i}.mlp.down_proj"), FP8Linear) for i in (0, 1))
     logs = train_and_check(trainer)
     keys = set().union(*logs)
@@ -43,13 +48,7 @@ def test_train_loss_types(tmp_path, demo_tokenizer, loss_type):
 
 
 def test_train_multiple_iterations(tmp_path, demo_tokenizer):
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, num_iterations=2, max_steps=3),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, num_iterations=2, max_steps=3)
     train_and_check(trainer)
 
 
@@ -104,13 +103,7 @@ def test_train_conversational_prompts(tmp_path, demo_tokenizer):
 
 
 def test_sampler_holds_the_learners_fp8_weights_bit_for_bit(tmp_path, demo_tokenizer):
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, max_steps=1),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1)
     trainer.train()  # one optimizer step: the master weights moved
     trainer.vllm_generation.sync_weights()
     sampler = trainer.vllm_generation.sampler
@@ -134,13 +127,7 @@ def test_sampler_follows_the_recipes_scale_rule(tmp_path, demo_tokenizer, pow2):
     """With pow2 scales the sampler quantizes activations onto powers of two too, as vLLM does under
     `VLLM_USE_DEEP_GEMM_E8M0=1`, so end-to-end FP8 stays in agreement (token_mult_prob_error 1.02-1.04 here when
     the sampler kept fp32 activation scales, as far apart as an FP8 sampler behind a high-precision learner)."""
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, fp8_recipe={"pow2_scales": pow2}),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, fp8_recipe={"pow2_scales": pow2})
     assert all(m.pow2_scales == pow2 for m in trainer.vllm_generation.sampler.modules() if isinstance(m, W8A8Linear))
     trainer.train()
     errors = [log["sampling/token_mult_prob_error"] for log in trainer.state.log_history if "loss" in log]
@@ -182,13 +169,7 @@ def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
 def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_tokenizer):
     # FP8 sampler, high-precision learner: a real mismatch. A cap just above 1 makes TRL truncate many tokens.
     clip_max = 1.0005
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, fp8_training=False, vllm_importance_sampling_clip_max=clip_max),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, fp8_training=False, vllm_importance_sampling_clip_max=clip_max)
     batch = [make_dataset(16)[i] for i in range(4)]
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before the first step
@@ -209,13 +190,7 @@ def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_to
 
 def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer):
     temperature = 0.7
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, temperature=temperature, max_completion_length=6),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, temperature=temperature, max_completion_length=6)
     engine = trainer.vllm_generation
     engine.sync_weights()
     prompts = [demo_tokenizer(p)["input_ids"] for p in make_dataset(4)["prompt"]]
@@ -233,13 +208,7 @@ def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_toke
 
 
 def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_tokenizer):
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer)
     engine = trainer.vllm_generation
     engine.sync_weights()
     before = {k: v.clone() for k, v in engine.sampler.state_dict().items()}
@@ -268,13 +237,7 @@ def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_
 
 def test_every_generation_samples_with_the_learners_current_weights(tmp_path, demo_tokenizer):
     """Checked at each generation, across two `train()` calls (the second restarts `global_step`)."""
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, max_steps=1),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1)
     engine, generate, stale = trainer.vllm_generation, trainer.vllm_generation.generate, []
 
     def generate_and_check(*args, **kwargs):
@@ -293,13 +256,7 @@ def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_t
     """token_mult_prob_error = mean exp|d|, gen_kl = mean (exp(d) - 1 - d) (k3), is_oob_ratio = share of masked tokens
     whose ratio exp(d) leaves [clip_min, clip_max] (through their sequence's summed log-ratio in sequence modes),
     with d = logp_train - logp_gen over the completion mask."""
-    trainer = FP8GRPOTrainer(
-        model=tiny_policy(demo_tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer)
     d = torch.tensor([[0.8, -0.1, -0.1], [0.5, 0.5, 3.0]])  # exp(0.8) > 2 alone; row 2 sums to 1.0 over its mask
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     gen = torch.full_like(d, -2.0)
