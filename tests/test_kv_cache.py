@@ -215,6 +215,18 @@ def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
         )  # fmt: skip
 
 
+def test_the_trainer_refuses_it_before_converting_the_model_it_was_given(tmp_path):
+    from trl_fp8.demo.tiny_moe import tiny_deepseek_v3
+
+    model = tiny_deepseek_v3()
+    with pytest.raises(ValueError, match=r"fp8_kv_cache=True is not supported for deepseek_v3"):
+        FP8GRPOTrainer(
+            model=model, reward_funcs=accuracy_reward, train_dataset=make_dataset(8),
+            args=tiny_grpo_args(tmp_path, fp8_kv_cache=True),
+        )  # fmt: skip
+    assert getattr(model, "fp8_recipe", None) is None  # the caller's model is left as it was
+
+
 def test_kv_cache_config_errors(tmp_path):
     with pytest.raises(ValueError, match="fp8_kv_cache=True needs fp8_generation=True"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_cache=True, fp8_generation=False)

@@ -337,7 +337,8 @@ def test_latent_attention_runs_eagerly_on_vllm_before_0_31():
 @pytest.mark.skipif(_vllm_installed(), reason="with vLLM installed this would build a real engine")
 def test_trl_builds_the_fp8_engine_in_its_vllm_slot(tmp_path, demo_tokenizer):
     """The real GRPOTrainer, given use_vllm=True, constructs FP8VLLMGeneration with its own arguments: without vLLM
-    here, the first thing that engine does is refuse, naming the extra to install (TRL's engine would say otherwise)."""
+    here, the first thing that engine does is refuse, naming the extra to install (TRL's engine would say
+    otherwise)."""
     from trl_fp8 import FP8GRPOTrainer
     from trl_fp8.demo.task import make_dataset
 

@@ -14,8 +14,9 @@ RECIPE_NAME = "fp8_recipe.json"
 @dataclass
 class FP8Recipe(PushToHubMixin):
     r"""
-    The FP8 recipe (NeMo RL's, TransformerEngine's `Float8BlockScaling`): E4M3 everywhere, 128x128 weight blocks, 1x128 activation and gradient blocks, fp32
-    (or power-of-2) scales; attention, norms, embeddings, `lm_head` and MoE routers stay in high precision.
+    The FP8 recipe (NeMo RL's, TransformerEngine's `Float8BlockScaling`): E4M3 everywhere, 128x128 weight blocks,
+    1x128 activation and gradient blocks, fp32 (or power-of-2) scales; attention, norms, embeddings, `lm_head` and
+    MoE routers stay in high precision.
 
     Parameters:
         weight_block_size (`list[int]`, *optional*, defaults to `[128, 128]`):

@@ -1,8 +1,8 @@
 """The reference sampling engine: a transformers model in vLLM's W8A8 block-FP8 numerics, on any device.
 
 It is a separate copy of the policy, as a colocated vLLM engine is: its converted linears hold the e4m3 weights and
-`weight_scale_inv` of the export stream (`trl_fp8.quant.export`) and quantize activations per token in groups of 128 the way
-vLLM does; attention, norms, embeddings and `lm_head` run in the sampler's dtype, decoding with a KV cache
+`weight_scale_inv` of the export stream (`trl_fp8.quant.export`) and quantize activations per token in groups of
+128 the way vLLM does; attention, norms, embeddings and `lm_head` run in the sampler's dtype, decoding with a KV cache
 (`generate`). It is refitted from the learner's stream whenever the learner's weights changed, and returns, for
 every sampled token, its log-probability after temperature / top-k / top-p (vLLM's `processed_logprobs`), so that
 TRL's importance-sampling correction applies to it exactly as it does to vLLM.
@@ -112,7 +112,8 @@ class ReferenceEngine(LearnerStream):
             Sampling parameters, as in `GRPOConfig`.
         kv_cache (`bool`, *optional*, defaults to `False`):
             Store keys and values in E4M3 with per-layer scales that travel in the stream in vLLM's names
-            (`model.layers.{i}.self_attn.k_scale` / `v_scale` / `q_scale`), recalibrated from the learner whenever it changed.
+            (`model.layers.{i}.self_attn.k_scale` / `v_scale` / `q_scale`), recalibrated from the learner whenever it
+            changed.
         kv_scale_percentile (`float`), kv_scale_margin (`float`):
             How scales are derived from the per-token K/V amax (see `trl_fp8.quant.kv_cache`).
     """

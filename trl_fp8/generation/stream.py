@@ -1,6 +1,6 @@
-"""What every sampling engine receives from the learner after an optimizer step: the export stream (`trl_fp8.quant.export`),
-plus, with an FP8 KV cache, per-layer Q/K/V scales recalibrated from the updated learner. Shared by the reference
-engine and the vLLM engine, so both are refitted with exactly the same tensors."""
+"""What every sampling engine receives from the learner after an optimizer step: the export stream
+(`trl_fp8.quant.export`), plus, with an FP8 KV cache, per-layer Q/K/V scales recalibrated from the updated learner.
+Shared by the reference engine and the vLLM engine, so both are refitted with exactly the same tensors."""
 
 import time
 

@@ -11,10 +11,10 @@ scales (`trl_fp8.quant.export`'s stream), so that the sampler's weight grid is t
   scale over 2^k), which represents the very same values.
 - `sync_weights`: the checkpoint-format stream (`...weight` e4m3 + `...weight_scale_inv` fp32, BF16 for the rest,
   Q/K/V scales) goes through vLLM's in-place layerwise reload (`model_runner.reload_weights(weights_iterator=...,
-  is_checkpoint_format=True)` under the engine's config, as 0.31's `Worker.reload_weights` runs it), which fuses q/k/v and gate/up with vLLM's own loaders and copies into the original
-  storage, then `reset_prefix_cache()`. The stream is validated before the engine is touched. With sleep mode the
-  weights are woken first (never a bare reload, which would restore the disk checkpoint: trl#5312); TRL's
-  `generate` wakes the KV cache.
+  is_checkpoint_format=True)` under the engine's config, as 0.31's `Worker.reload_weights` runs it), which fuses
+  q/k/v and gate/up with vLLM's own loaders and copies into the original storage, then `reset_prefix_cache()`. The
+  stream is validated before the engine is touched. With sleep mode the weights are woken first (never a bare
+  reload, which would restore the disk checkpoint: trl#5312); TRL's `generate` wakes the KV cache.
 
 Every vLLM symbol used here was read in the source of vLLM 0.22.0 and 0.31.0 (the `vllm` extra's range).
 """

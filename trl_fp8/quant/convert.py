@@ -2,10 +2,10 @@
 `FP8Experts`), in place, names unchanged.
 
 Only `nn.Linear` modules inside the text decoder's blocks (`...layers.{i}...`, found with transformers'
-`get_decoder()`, so that a multimodal model's vision tower stays in high precision) are candidates. Never converted: `lm_head`,
-embeddings and norms (not linears, or outside the layers), MoE routers (`...mlp.gate`, `...router`), anything the
-recipe excludes, and layers whose dims are not multiples of the weight block (vLLM cannot serve them in block FP8;
-they stay in high precision, with one warning that lists them).
+`get_decoder()`, so that a multimodal model's vision tower stays in high precision) are candidates. Never converted:
+`lm_head`, embeddings and norms (not linears, or outside the layers), MoE routers (`...mlp.gate`, `...router`),
+anything the recipe excludes, and layers whose dims are not multiples of the weight block (vLLM cannot serve them in
+block FP8; they stay in high precision, with one warning that lists them).
 """
 
 import fnmatch
@@ -25,7 +25,8 @@ _ROUTER_RE = re.compile(r"(?:^|\.)(?:gate|router)$")
 
 
 def is_router(name: str) -> bool:
-    """Whether the module `name` is an MoE router (`...mlp.gate`, `...router`): routers always stay in high precision."""
+    """Whether the module `name` is an MoE router (`...mlp.gate`, `...router`), which always stays in high
+    precision."""
     return _LAYER_RE.search(name) is not None and _ROUTER_RE.search(name) is not None
 
 

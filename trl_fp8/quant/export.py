@@ -119,7 +119,8 @@ def load_state_stream(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
             problems.append(f"{name}: not a tensor of the sampler")
         elif tuple(tensor.shape) != tuple(target.shape) or tensor.dtype != target.dtype:
             problems.append(
-                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the sampler holds {tuple(target.shape)} {target.dtype}"
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                f"the sampler holds {tuple(target.shape)} {target.dtype}"
             )
     covered = {targets[name].data_ptr() for name, _ in pairs if name in targets}
     missing = sorted({n for n, t in targets.items() if t.data_ptr() not in covered})

@@ -281,4 +281,5 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         br, bc = self.weight_block_size
-        return f"{super().extra_repr()}, fp8=e4m3 w{br}x{bc}/x1x128, backend={self.backend}, pow2_scales={self.pow2_scales}"
+        fp8 = f"fp8=e4m3 w{br}x{bc}/x1x128, backend={self.backend}, pow2_scales={self.pow2_scales}"
+        return f"{super().extra_repr()}, {fp8}"

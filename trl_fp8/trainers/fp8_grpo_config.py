@@ -123,9 +123,9 @@ class FP8GRPOConfig(GRPOConfig):
     vllm_llm_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
-            "help": "Extra keyword arguments for vllm.LLM(...) with use_vllm=True (a JSON string on the command line), "
-            'e.g. {"enforce_eager": true}. Keys FP8GRPOTrainer sets itself (model, quantization, seed, ...) are '
-            "refused with the config field to use instead."
+            "help": "Extra keyword arguments for vllm.LLM(...) with use_vllm=True (a JSON string on the command "
+            'line), e.g. {"enforce_eager": true}. Keys FP8GRPOTrainer sets itself (model, quantization, seed, ...) '
+            "are refused with the config field to use instead."
         },
     )
     vllm_importance_sampling_mode: str = field(

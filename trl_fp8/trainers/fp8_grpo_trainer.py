@@ -7,6 +7,7 @@ from functools import partial
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from accelerate.utils import is_peft_model
+from torch import nn
 from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
@@ -16,6 +17,7 @@ from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
+from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear, te_status
 from .fp8_grpo_config import FP8GRPOConfig
@@ -71,6 +73,8 @@ class FP8GRPOTrainer(GRPOTrainer):
                 "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
             )
         check_parameters_unsharded(args)
+        if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
+            check_kv_cache_supported(model.config)
         recipe = args.resolved_fp8_recipe
         if args.fp8_training:
             check_backend_runs_here(recipe, args.device)
@@ -129,8 +133,8 @@ class FP8GRPOTrainer(GRPOTrainer):
         self._last_loaded_step = -1
 
     def train(self, *args, **kwargs):
-        # TRL refits the sampler when `global_step` differs from the step it last synced at; a second `train()` restarts
-        # `global_step`, and its first generation could then find them equal and sample with the old weights.
+        # TRL refits the sampler when `global_step` differs from the step it last synced at; a second `train()`
+        # restarts `global_step`, and its first generation could then find them equal and sample with the old weights.
         self._last_loaded_step = -1
         return super().train(*args, **kwargs)
 
@@ -146,7 +150,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             "",
             "Trained with trl-fp8's `FP8GRPOTrainer`: "
             f"FP8 training `{args.fp8_training}` (backend `{self.fp8_backend}`), FP8 generation "
-            f"`{args.fp8_generation}` ({'colocated vLLM' if args.use_vllm else 'reference engine'}), importance sampling "
+            f"`{args.fp8_generation}` ({'colocated vLLM' if args.use_vllm else 'reference engine'}), "
+            "importance sampling "
             f"`{args.vllm_importance_sampling_mode}` (cap {args.vllm_importance_sampling_clip_max}) "
             f"{'on' if args.vllm_importance_sampling_correction else 'off'}.",
             "",
@@ -212,8 +217,8 @@ class FP8GRPOTrainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if kv_cache and mode == "train":
-            # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions included
-            # (of a training batch: the scales serve the rollouts that train).
+            # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions
+            # included (of a training batch: the scales serve the rollouts that train).
             rows = self.args.fp8_kv_calibration_rows
             engine.calibration_batch = (
                 torch.cat([output["prompt_ids"][:rows], output["completion_ids"][:rows]], dim=1),

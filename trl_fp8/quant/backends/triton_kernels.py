@@ -367,7 +367,8 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype):
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale_inv.stride(0), a_scale_inv.stride(1),
         b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, **({} if _interpreting() else {"num_warps": 8, "num_stages": 3}),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+        **({} if _interpreting() else {"num_warps": 8, "num_stages": 3}),
     )  # fmt: skip
     return c
 
