@@ -9,7 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_fp8.quant import FP8_DTYPE, dequantize_blockwise, quantize_blockwise, quantize_per_token_group
+from trl_fp8.quant import (
+    FP8_DTYPE,
+    W8A8Linear,
+    dequantize_blockwise,
+    quantize_blockwise,
+    quantize_per_token_group,
+)
 
 
 # All finite E4M3 values, sorted, with their bit patterns: the format's definition, independent of torch's cast.
@@ -129,6 +135,21 @@ def test_sampler_act_quantization_bit_exact_against_reference(pow2):
         _, s_learner = quantize_blockwise(x, (1, 128), pow2_scales=True)
         nonzero = s_ref > 1e-10
         torch.testing.assert_close(s[nonzero], s_learner[nonzero], atol=0, rtol=0)
+
+
+def test_sampler_linear_sees_new_scales_under_the_same_codes():
+    """`W8A8Linear` caches its dequantized weight between syncs. A load that rewrites only `weight_scale_inv` (a
+    block whose values all doubled keeps its codes) must still reach the GEMM: the cache is keyed on both buffers."""
+    layer = W8A8Linear(300, 200, bias=False, dtype=torch.float32)
+    q, scale_inv = quantize_blockwise(many_scales(200, 300, (128, 128), seed=3), (128, 128))
+    layer.weight.copy_(q)
+    layer.weight_scale_inv.copy_(scale_inv)
+    x = torch.randn(5, 300)
+    y = layer(x)
+    layer.weight_scale_inv.mul_(2)  # exact: every product and partial sum doubles
+    assert torch.equal(layer(x), 2 * y)
+    layer.weight.copy_((-q.float()).to(FP8_DTYPE))  # the codes alone change (negation is exact in E4M3)
+    assert torch.equal(layer(x), -2 * y)
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])

@@ -64,6 +64,29 @@ def test_scales_follow_the_weights():
     assert not torch.equal(after[1], before[1])  # layer 1 sees layer 0's changed output
 
 
+def test_padding_never_counts_in_the_calibration():
+    """The scales come from real tokens only. The padding token's embedding is set so that layer 0 writes a larger V
+    at padded positions than at any real one (after the RMSNorm, it points along v_proj's longest row); no real token
+    attends to it, so every K, V and Q scale stays exactly where it was."""
+    model, tokenizer = load_demo_model_and_tokenizer()
+    short, long = tokenizer("12+34=")["input_ids"], tokenizer("12+34+56+78-90+11=")["input_ids"]
+    assert tokenizer.pad_token_id not in short + long
+    ids, mask = left_pad([short, long], tokenizer.pad_token_id)
+    assert (mask == 0).sum() >= 10  # a third of the batch is padding: more than the 0.1% the percentile drops
+    before = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    layer = model.model.layers[0]
+    v_rows = layer.self_attn.v_proj.weight
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.pad_token_id] = (
+            v_rows[v_rows.norm(dim=1).argmax()] / layer.input_layernorm.weight
+        )
+    after = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=0)
+    # Layer 0's V depends on each token's own embedding alone: counted as tokens, the padded positions would set it.
+    counted = calibrate_kv_scales(model.get_decoder(), ids, torch.ones_like(mask))
+    assert counted[0, 1] > 1.5 * before[0, 1]
+
+
 def mismatch(engine, policy, prompts) -> float:
     """token_mult_prob_error between the sampler's log-probs and the learner's, on what the sampler generated."""
     torch.manual_seed(0)

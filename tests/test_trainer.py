@@ -78,7 +78,17 @@ def test_train_with_eval(tmp_path, demo_tokenizer):
         eval_dataset=make_dataset(8, seed=1),
         processing_class=demo_tokenizer,
     )
+    entries, log = [], trainer.log
+
+    def log_and_count(logs, *args, **kwargs):  # how many sync entries each training log averages
+        if "loss" in logs:
+            entries.append(len(trainer._metrics["train"]["fp8/sync_seconds"]))
+        return log(logs, *args, **kwargs)
+
+    trainer.log = log_and_count
     logs = train_and_check(trainer)
+    # One refit per optimizer step, counted once: the training generation after an evaluation's refit adds none.
+    assert entries == [1, 1, 1]
     assert len([log for log in logs if "eval_loss" in log]) == 3
     # An evaluation after a step runs the sampler's refit, which still counts for that training step.
     train_logs = [log for log in logs if "loss" in log]
@@ -228,11 +238,26 @@ def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_
     twice.append(("model.norm.weight", torch.full_like(dict(twice)["model.norm.weight"], 7.0)))
     with pytest.raises(ValueError, match=r"model.norm.weight: twice in the stream"):
         load_state_stream(engine.sampler, iter(twice))  # any iterable, checked whole before anything is copied
+    # A diverged learner: a NaN in a high-precision weight (FP8 weights are checked where they are quantized).
+    with torch.no_grad():
+        trainer.model.model.norm.weight[3] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN, inf or non-positive scales in \['model.norm.weight'\]; nothing was"):
+        engine.sync_weights()
     for k, v in engine.sampler.state_dict().items():
         assert torch.equal(
             v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
             before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k],
         ), k
+    # An fp16 sampler behind an fp32 learner: a weight past fp16's range would arrive as inf.
+    with torch.no_grad():
+        trainer.model.model.norm.weight[3] = 1.0
+        trainer.model.model.embed_tokens.weight[5, 0] = 1e6
+    fp16 = ReferenceEngine(
+        trainer.model, trainer.accelerator, trainer.args.resolved_fp8_recipe, fp8=True, dtype=torch.float16,
+        eos_token_ids=[demo_tokenizer.eos_token_id], pad_token_id=demo_tokenizer.pad_token_id,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"in \['model.embed_tokens.weight'\]"):
+        fp16.sync_weights()
 
 
 def test_every_generation_samples_with_the_learners_current_weights(tmp_path, demo_tokenizer):

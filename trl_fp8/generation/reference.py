@@ -24,7 +24,7 @@ from ..quant.export import load_state_stream, stream_nbytes
 from ..quant.kv_cache import FP8_QUERY_ATTENTION, FP8KVCache, set_attention
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
-from .stream import LearnerStream
+from .stream import LearnerStream, refuse_nonfinite
 
 
 def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dtype) -> nn.Module:
@@ -194,6 +194,7 @@ class ReferenceEngine(LearnerStream):
         # and scales arrive exactly as quantized, and load_state_stream checks that.
         held = self.sampler.state_dict(keep_vars=True)
         pairs = [(name, t.to(self.sampler.device, _sampler_dtype(name, t, held.get(name)))) for name, t in pairs]
+        refuse_nonfinite(pairs)  # after the cast: an fp32 weight past fp16's range would load as inf
         load_state_stream(self.sampler, pairs)
         self._synced_versions = versions
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}

@@ -29,9 +29,9 @@ from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from ..quant.export import split_fused_experts, stream_nbytes
-from ..quant.kv_cache import KV_SCALE_SUFFIXES, check_kv_cache_supported
+from ..quant.kv_cache import check_kv_cache_supported
 from .reference import refuse_reserved
-from .stream import LearnerStream
+from .stream import LearnerStream, refuse_nonfinite
 from .vllm_layout import check_vllm_fp8_layers
 
 
@@ -168,7 +168,6 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
             f"the sync stream changed since the first sync: missing {missing[:3]}, unexpected {extra[:3]}, "
             f"changed {[(n, expected[n], meta[n]) for n in changed[:3]]}"
         )
-    checks = []
     for name, t in pairs:
         if name.endswith(".weight_scale_inv"):
             weight = name.removesuffix("_scale_inv")
@@ -177,16 +176,7 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
             n, k = meta[weight][0][-2:]
             if tuple(t.shape[-2:]) != (-(-n // 128), -(-k // 128)) or t.dtype != torch.float32:
                 raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; {weight} {n}x{k} needs fp32 128x128 blocks")
-            checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
-        elif name.endswith(KV_SCALE_SUFFIXES):  # vLLM would take a non-positive KV scale for 1.0, silently
-            checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
-        elif t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
-            checks.append((name, torch.isfinite(t).all()))
-    if checks:
-        ok = torch.stack([c.to(checks[0][1].device) for _, c in checks]).cpu()  # one sync for the whole stream
-        if not bool(ok.all()):
-            bad = [name for (name, _), good in zip(checks, ok.tolist(), strict=True) if not good]
-            raise ValueError(f"the sync stream holds NaN, inf or non-positive scales in {bad[:5]}; nothing was sent")
+    refuse_nonfinite(pairs)
     return meta
 
 
