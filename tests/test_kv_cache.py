@@ -1,5 +1,7 @@
 """The FP8 KV cache of the reference sampler and its per-step K/V scale recalibration, on the shipped demo model."""
 
+import warnings
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -11,7 +13,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, load_demo_model_and_tokenizer, make_dataset
 from trl_fp8.generation.reference import ReferenceEngine, left_pad
 from trl_fp8.quant.export import load_state_stream
-from trl_fp8.quant.kv_cache import FP8KVCache, _recording_queries, calibrate_kv_scales, quantize_kv
+from trl_fp8.quant.kv_cache import CACHE_KWARG, FP8KVCache, _recording_queries, calibrate_kv_scales, quantize_kv
 
 
 def demo_prompts(tokenizer, n=16, seed=0):
@@ -27,8 +29,8 @@ def test_fp8_kv_cache_takes_half_the_memory_of_bf16():
     ids, mask = left_pad(demo_prompts(tokenizer), tokenizer.pad_token_id)
     bf16, fp8 = DynamicCache(), FP8KVCache([(0.03, 0.02)] * 2)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=bf16, use_cache=True)
-        model(input_ids=ids, attention_mask=mask, past_key_values=fp8, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: bf16})
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: fp8})
     assert bf16.layers[0].keys.dtype == torch.bfloat16 and fp8.layers[0].keys.dtype == torch.float8_e4m3fn
     assert cache_bytes(fp8) * 2 == cache_bytes(bf16)
 
@@ -62,6 +64,21 @@ def test_scales_follow_the_weights():
     assert again.shape == (2, 3) and torch.equal(again[0, :2], after[0, :2])
     assert model.config._attn_implementation == "sdpa"  # the recording attention is switched back off
     assert not torch.equal(after[1], before[1])  # layer 1 sees layer 0's changed output
+
+
+def test_caches_go_by_the_installed_transformers_keyword():
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name leaves model forwards in 5.40, where it
+    would be dropped silently and the FP8 KV cache with it): the calibration and the engine use the current name."""
+    policy, tokenizer = load_demo_model_and_tokenizer()
+    engine = ReferenceEngine(
+        policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, max_completion_length=3,
+    )  # fmt: skip
+    engine.calibration_batch = left_pad(demo_prompts(tokenizer, n=4), tokenizer.pad_token_id)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        engine.sync_weights()  # calibrates
+        engine.generate(demo_prompts(tokenizer, n=2))
 
 
 def test_padding_never_counts_in_the_calibration():
@@ -175,7 +192,7 @@ def test_left_padding_is_masked_with_the_fp8_kv_cache():
         positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate() numbers left-padded rows
         cache = FP8KVCache([(a.k_scale.item(), a.v_scale.item()) for a in attn])
         with torch.no_grad():
-            out = engine.sampler(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            out = engine.sampler(input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE_KWARG: cache})
         return out.logits
 
     batched, alone = logits([short, long])[0, -len(short) :], logits([short])[0]
@@ -223,7 +240,7 @@ def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
     ]
     for p, c, lp in zip(prompts, completions, logprobs, strict=True):
         with torch.no_grad():
-            out = engine.sampler(torch.tensor([p + c]), past_key_values=FP8KVCache(scales), use_cache=True)
+            out = engine.sampler(torch.tensor([p + c]), use_cache=True, **{CACHE_KWARG: FP8KVCache(scales)})
         full = out.logits[0, len(p) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor([x[0] for x in lp]), full, atol=1e-4, rtol=1e-4)
 

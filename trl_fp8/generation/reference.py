@@ -21,7 +21,7 @@ from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import load_state_stream, stream_nbytes
-from ..quant.kv_cache import FP8_QUERY_ATTENTION, FP8KVCache, set_attention
+from ..quant.kv_cache import CACHE_KWARG, FP8_QUERY_ATTENTION, FP8KVCache, set_attention
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
 from .stream import LearnerStream, refuse_nonfinite
@@ -223,7 +223,7 @@ class ReferenceEngine(LearnerStream):
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=self.generation_config,
-                past_key_values=cache,
+                **{CACHE_KWARG: cache},
             )
         sampled = out.sequences[:, width:]
         # `scores` are the processed logits (temperature, top-k/p applied): their log-softmax is what vLLM returns.

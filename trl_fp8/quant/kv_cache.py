@@ -16,6 +16,8 @@ With an FP8 KV cache, vLLM's FlashAttention-3 path also quantizes the queries to
 from contextlib import contextmanager
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -27,6 +29,9 @@ from .blockwise import FP8_DTYPE, FP8_MAX
 
 _TINY = torch.finfo(torch.float32).tiny
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale")  # vLLM's checkpoint names, under each `self_attn`
+# The keyword a model's forward and `generate` take a cache by: `cache` since transformers 5.24, where
+# `past_key_values` is deprecated (removed from forward in 5.40, after which it would be dropped without a word).
+CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 
 def check_kv_cache_supported(config) -> None:
@@ -193,7 +198,7 @@ def calibrate_kv_scales(
     the padding-free tokens only."""
     recorder = KVAmaxRecorder()
     with _recording_queries(decoder) as query_amax:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=recorder, use_cache=True)
+        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{CACHE_KWARG: recorder})
     valid = attention_mask.bool()
     scales = [
         [kv_scale_inv_from_amax(amax[valid], percentile, margin) for amax in (*recorder.token_amax[i], query_amax[i])]
