@@ -30,6 +30,11 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
     steps = [log for log in ranks[0]["log_history"] if "loss" in log]
     assert len(steps) == 2 and all("sampling/token_mult_prob_error" in log for log in steps)
+    # Each rank calibrates on its own rollouts; the scales are reduced (max) so that every sampler holds the same.
+    kv_scales = ranks[0]["kv_scales"]
+    assert len(kv_scales) == 3 * 2 and all(s.item() > 0 for s in kv_scales.values())  # Q, K, V of 2 layers
+    for name, s0 in kv_scales.items():
+        assert torch.equal(s0, ranks[1]["kv_scales"][name]), f"{name} differs between the ranks"
     for name, p0 in ranks[0]["params"].items():
         assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
     initial = tiny_policy(build_tokenizer())

@@ -1,5 +1,6 @@
 """Run by tests/test_distributed.py under `accelerate launch --num_processes 2 --cpu`: two FP8 GRPO steps with DDP
-(gloo), then each rank writes its final parameters to `<output_dir>/rank{r}.pt`."""
+(gloo) and the FP8 KV cache, then each rank writes its final parameters and its sampler's Q/K/V scales to
+`<output_dir>/rank{r}.pt`."""
 
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from trl_fp8.demo.task import make_dataset  # noqa: E402
 
 def main(output_dir: str):
     tokenizer = build_tokenizer()
-    args = tiny_grpo_args(output_dir, learning_rate=0.05)
+    args = tiny_grpo_args(output_dir, learning_rate=0.05, fp8_kv_cache=True)
     trainer = FP8GRPOTrainer(
         model=tiny_policy(tokenizer),
         reward_funcs=digit_reward,
@@ -30,8 +31,15 @@ def main(output_dir: str):
     trainer.train()
     state = PartialState()
     params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    sampler = trainer.vllm_generation.sampler
+    kv_scales = {n: b.clone() for n, b in sampler.named_buffers() if n.endswith(("k_scale", "v_scale", "q_scale"))}
     torch.save(
-        {"params": params, "world_size": state.num_processes, "log_history": trainer.state.log_history},
+        {
+            "params": params,
+            "kv_scales": kv_scales,
+            "world_size": state.num_processes,
+            "log_history": trainer.state.log_history,
+        },
         Path(output_dir) / f"rank{state.process_index}.pt",
     )
 
