@@ -30,6 +30,11 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
     steps = [log for log in ranks[0]["log_history"] if "loss" in log]
     assert len(steps) == 2 and all("sampling/token_mult_prob_error" in log for log in steps)
+    # The mismatch metrics are token means over both ranks' rollouts (summed across ranks, then divided), so every
+    # rank logs the same figures.
+    other = [log for log in ranks[1]["log_history"] if "loss" in log]
+    for key in ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob_ratio"):
+        assert [log[key] for log in steps] == [log[key] for log in other], key
     # Each rank calibrates on its own rollouts; the scales are reduced (max) so that every sampler holds the same.
     kv_scales = ranks[0]["kv_scales"]
     assert len(kv_scales) == 3 * 2 and all(s.item() > 0 for s in kv_scales.values())  # Q, K, V of 2 layers
