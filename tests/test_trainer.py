@@ -1,6 +1,8 @@
 """FP8GRPOTrainer as a drop-in GRPOTrainer: TRL's own test patterns, on a real tiny Llama, a real tokenizer and a
 real `datasets.Dataset`, all built in-process."""
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_grpo_args, tiny_policy
@@ -277,6 +279,57 @@ def test_every_generation_samples_with_the_learners_current_weights(tmp_path, de
     assert stale == [0, 0]
 
 
+def test_sync_metrics_measure_the_stream_and_mismatch_metrics_switch_off(tmp_path, demo_tokenizer):
+    """`fp8/sync_bytes` is what a refit sends, `fp8/sync_bf16_bytes` what the same tensors (scales aside) take in
+    BF16; no KV calibration time is logged without an FP8 KV cache; `fp8_mismatch_metrics=False` drops the metrics."""
+    trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1, fp8_mismatch_metrics=False)
+    trainer.train()
+    log = next(log for log in trainer.state.log_history if "loss" in log)
+    pairs = trainer.vllm_generation.state_stream()
+    assert log["fp8/sync_bytes"] == sum(t.numel() * t.element_size() for _, t in pairs)
+    assert log["fp8/sync_bf16_bytes"] == sum(2 * t.numel() for name, t in pairs if not name.endswith("_scale_inv"))
+    assert "fp8/kv_calibration_seconds" not in log and "sampling/token_mult_prob_error" not in log
+
+
+def test_mismatch_metrics_without_the_correction_run_the_learner(tmp_path, demo_tokenizer):
+    """With the IS correction off TRL computes no learner log-probs for the batch; the metrics then run the learner
+    themselves, so an FP8 sampler behind a high-precision learner still shows its mismatch."""
+    trainer = digit_trainer(
+        tmp_path, demo_tokenizer, max_steps=1, fp8_training=False, vllm_importance_sampling_correction=False
+    )
+    trainer.train()
+    log = next(log for log in trainer.state.log_history if "loss" in log)
+    assert log["sampling/token_mult_prob_error"] > 1.0 and log["sampling/gen_kl"] > 0.0
+
+
+def test_the_engine_refits_only_when_the_learner_changed(tmp_path, demo_tokenizer):
+    trainer = digit_trainer(tmp_path, demo_tokenizer)
+    engine = trainer.vllm_generation
+    engine.sync_weights()
+    engine.last_sync = None
+    engine.sync_weights()  # the same weights: no refit, no KV recalibration
+    assert engine.last_sync is None
+    with torch.no_grad():
+        trainer.model.model.norm.weight.add_(0.1)
+    engine.sync_weights()
+    assert engine.last_sync is not None
+    assert torch.equal(engine.sampler.model.norm.weight, trainer.model.model.norm.weight)
+
+
+def test_completions_keep_their_stop_token(tmp_path, demo_tokenizer):
+    """TRL reads a completion without its stop token as truncated (and masks it under `mask_truncated_completions`):
+    the engine cuts after the stop token, not before. Here every token stops, so each completion is one token."""
+    trainer = digit_trainer(tmp_path, demo_tokenizer)
+    everything = list(range(trainer.model.config.vocab_size))
+    engine = ReferenceEngine(
+        trainer.model, trainer.accelerator, FP8Recipe(), fp8=True, dtype=torch.float32, eos_token_ids=everything,
+        pad_token_id=demo_tokenizer.pad_token_id, max_completion_length=4,
+    )  # fmt: skip
+    engine.sync_weights()
+    _, completions, logprobs, _ = engine.generate([[5, 6, 7]] * 3)
+    assert [len(c) for c in completions] == [1, 1, 1] and [len(lp) for lp in logprobs] == [1, 1, 1]
+
+
 def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_tokenizer):
     """token_mult_prob_error = mean exp|d|, gen_kl = mean (exp(d) - 1 - d) (k3), is_oob_ratio = share of masked tokens
     whose ratio exp(d) leaves [clip_min, clip_max] (through their sequence's summed log-ratio in sequence modes),
@@ -295,6 +348,34 @@ def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_t
         assert metrics["sampling/token_mult_prob_error"] == pytest.approx(live.abs().exp().mean().item())
         assert metrics["sampling/gen_kl"] == pytest.approx((live.exp() - 1 - live).mean().item())
         assert metrics["sampling/is_oob_ratio"] == pytest.approx(oob), mode
+
+    def metrics_of(d, mask, mode="token_truncate", clip_min=None, gen=None, **extra):
+        trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min = mode, clip_min
+        gen = torch.full_like(d, -2.0) if gen is None else gen
+        trainer._metrics["train"].clear()
+        trainer._log_mismatch(
+            {"sampling_per_token_logps": gen, "old_per_token_logps": gen + d, "completion_mask": mask, **extra},
+            "train",
+        )
+        return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    # A masked token never enters its sequence's log-ratio (0.6 here; with the masked 3.0 it would leave the cap).
+    assert (
+        metrics_of(torch.tensor([[0.3, 0.3, 3.0]]), torch.tensor([[1, 1, 0]]), "sequence_mask")[
+            "sampling/is_oob_ratio"
+        ]
+        == 0
+    )
+    # The lower cap counts too: exp(-1) < 0.5.
+    assert metrics_of(torch.tensor([[-1.0, 0.0]]), torch.tensor([[1, 1]]), clip_min=0.5)[
+        "sampling/is_oob_ratio"
+    ] == pytest.approx(0.5)
+    # Tool-call tokens are out, whether TRL marks them with a NaN sampler log-prob or with its `tool_mask`.
+    nan_gen = torch.tensor([[-2.0, float("nan")]])
+    with_nan = metrics_of(torch.tensor([[1.0, 0.0]]), torch.tensor([[1, 1]]), gen=nan_gen)
+    assert with_nan["sampling/token_mult_prob_error"] == pytest.approx(math.e)
+    tool = metrics_of(torch.tensor([[0.0, 1.0]]), torch.tensor([[1, 1]]), tool_mask=torch.tensor([[1, 0]]))
+    assert tool["sampling/token_mult_prob_error"] == 1.0
 
 
 def test_config_defaults_and_contradictions(tmp_path):
@@ -326,6 +407,24 @@ def test_config_defaults_and_contradictions(tmp_path):
     assert FP8GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, fp8_recipe=blocks, fp8_generation=False
     ).resolved_fp8_recipe.weight_block_size == [64, 64]
+    for field, value, message in (
+        ("fp8_save_format", "fp16", "fp8_save_format must be 'bf16' or 'fp8', got 'fp16'"),
+        ("fp8_kv_scale_margin", 0.0, "fp8_kv_scale_margin must be positive"),
+        ("fp8_kv_scale_percentile", 0.0, r"fp8_kv_scale_percentile must be in \(0, 100\]"),
+        ("fp8_kv_calibration_rows", 0, "fp8_kv_calibration_rows must be at least 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+    # The edges that are allowed: the KV scale at the calibration's plain maximum, vespo with per-token masking, and
+    # vespo with a sequence mode while the correction that mode names is off.
+    FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_scale_percentile=100)
+    FP8GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask"
+    )
+    FP8GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask",
+        vllm_importance_sampling_correction=False,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "te"])
