@@ -1,6 +1,7 @@
 """Recipes and checkpoints: round trips through local folders (the Hub path is the same code with a repo id)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,20 @@ def trainer_for(tmp_path, tokenizer, **overrides):
         train_dataset=make_dataset(32),
         processing_class=tokenizer,
     )
+
+
+def test_model_card_reports_the_runs_mismatch(tmp_path, demo_tokenizer):
+    trainer = trainer_for(tmp_path, demo_tokenizer, max_steps=2, fp8_training=False)  # FP8 sampler, fp32 learner
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-fp8")
+    card = (tmp_path / "README.md").read_text()
+    for key in ("sampling/token_mult_prob_error", "sampling/gen_kl"):
+        values = [log[key] for log in trainer.state.log_history if key in log]
+        assert len(values) == 2 and values[0] != values[1]
+        mean, last = re.search(rf"\| `{key}` \| (\S+) \| (\S+) \|", card).groups()
+        assert float(mean) == pytest.approx(sum(values) / 2, rel=1e-5) and float(last) == pytest.approx(
+            values[-1], rel=1e-5
+        )
 
 
 def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):

@@ -13,7 +13,14 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, load_demo_model_and_tokenizer, make_dataset
 from trl_fp8.generation.reference import ReferenceEngine, left_pad
 from trl_fp8.quant.export import load_state_stream
-from trl_fp8.quant.kv_cache import CACHE_KWARG, FP8KVCache, _recording_queries, calibrate_kv_scales, quantize_kv
+from trl_fp8.quant.kv_cache import (
+    CACHE_KWARG,
+    FP8KVCache,
+    _recording_queries,
+    calibrate_kv_scales,
+    kv_scale_inv_from_amax,
+    quantize_kv,
+)
 
 
 def demo_prompts(tokenizer, n=16, seed=0):
@@ -151,6 +158,9 @@ def test_stale_scales_let_mismatch_grow_while_recalibrated_scales_keep_it_flat()
 def test_a_missing_scale_is_an_error_never_one():
     with pytest.raises(ValueError, match="layer 1 has no valid k/v scale"):
         FP8KVCache([(0.1, 0.1), (-1.0, 0.1)])
+    with pytest.raises(ValueError, match="layer 0 has no valid k/v scale"):
+        FP8KVCache([(0.1, 0.0)])
+    assert kv_scale_inv_from_amax(torch.zeros(8)) > 0  # an all-zero layer still gets a usable scale
     policy, tokenizer = load_demo_model_and_tokenizer()
     engine = ReferenceEngine(
         policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
@@ -243,6 +253,37 @@ def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
             out = engine.sampler(torch.tensor([p + c]), use_cache=True, **{CACHE_KWARG: FP8KVCache(scales)})
         full = out.logits[0, len(p) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor([x[0] for x in lp]), full, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_calibration_runs_on_a_slice_of_the_latest_training_batch(tmp_path):
+    """`fp8_kv_calibration_rows` sequences: of the first batch's prompts before any batch is finished, then of the
+    latest training batch, prompts and completions. An evaluation's batch never replaces them."""
+    model, tokenizer = load_demo_model_and_tokenizer()
+    trainer = FP8GRPOTrainer(
+        model=model,
+        reward_funcs=accuracy_reward,
+        args=tiny_grpo_args(tmp_path, fp8_kv_cache=True, fp8_kv_calibration_rows=2),
+        train_dataset=make_dataset(16),
+        processing_class=tokenizer,
+    )
+    engine, calibrated_on = trainer.vllm_generation, []
+    calibrate = engine.calibrate_kv_scales
+
+    def recording_calibrate():
+        calibrated_on.append(tuple(engine.calibration_batch[0].shape))
+        return calibrate()
+
+    engine.calibrate_kv_scales = recording_calibrate
+    batch = [trainer.train_dataset[i] for i in range(4)]
+    prompt_width = len(tokenizer(batch[0]["prompt"])["input_ids"])
+    trainer.model.train()
+    trainer._generate_and_score_completions(batch)
+    assert calibrated_on == [(2, prompt_width)]  # the first sync: two prompts
+    kept = engine.calibration_batch
+    assert kept[0].shape[0] == 2 and kept[0].shape[1] > prompt_width  # the next: two prompts with completions
+    trainer.model.eval()
+    trainer._generate_and_score_completions(batch)
+    assert engine.calibration_batch is kept
 
 
 def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
