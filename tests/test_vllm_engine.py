@@ -139,6 +139,9 @@ def test_deep_gemm_e8m0_follows_pow2_scales(monkeypatch):
     monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "1")
     with pytest.raises(ValueError, match="re-round the trainer scales"):
         deep_gemm_e8m0_env(FP8Recipe())
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "0")
+    with pytest.raises(ValueError, match="serve pow2 scales as fp32"):
+        deep_gemm_e8m0_env(FP8Recipe(pow2_scales=True))
 
 
 def _load_like_vllm(stream: dict, layer, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,6 +282,15 @@ def test_moe_routers_and_high_precision_experts_are_ignored_by_vllm_and_streamed
         check_vllm_fp8_layers(tiny_qwen3_moe(), FP8Recipe(), 2)
 
 
+def test_row_parallel_inputs_split_in_whole_blocks():
+    """vLLM splits down_proj's (and o_proj's) input across ranks: each rank's share must be whole 128-column blocks,
+    here 384 / 2 = 192 (gate/up kept in high precision, so the fused column-parallel layer is not what fails)."""
+    model = _model(LlamaConfig, LlamaForCausalLM, **{**TP_READY, "intermediate_size": 384})
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.*input per rank 192 is not a multiple of 128"):
+        check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["gate_proj", "up_proj"]), 2)
+    check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["gate_proj", "up_proj"]), 1)
+
+
 def test_mla_fused_a_projections_need_one_precision():
     """DeepSeek-V3's q_a_proj (128 rows) and kv_a_proj_with_mqa (192: not whole blocks) are one fused layer in vLLM."""
     with pytest.raises(
@@ -287,6 +299,12 @@ def test_mla_fused_a_projections_need_one_precision():
         check_vllm_fp8_layers(tiny_deepseek_v3(), FP8Recipe())
     ignored = check_vllm_fp8_layers(tiny_deepseek_v3(), MOONLIGHT_RECIPE)
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa" in ignored and "model.layers.1.mlp.gate" in ignored
+    # vLLM replicates the fused a-projection on every rank (ReplicatedLinear): whole rows under any TP size.
+    model = tiny_deepseek_v3()
+    whole = {layer.name: layer for layer in vllm_linears(model, 1)}
+    for layer in vllm_linears(model, 2):
+        if layer.name.endswith("fused_qkv_a_proj"):
+            assert layer.tp_size == 1 and layer.output_partition_sizes == whole[layer.name].output_partition_sizes
 
 
 def test_validate_stream_refuses_bad_streams_before_sending():
@@ -307,6 +325,16 @@ def test_validate_stream_refuses_bad_streams_before_sending():
         bad = [(n, t.clone().fill_(bad_scale) if n == name else t) for n, t in pairs]
         with pytest.raises(ValueError, match=rf"non-positive scales in \['{name}'\]"):
             validate_stream(bad, meta)
+    with pytest.raises(ValueError, match="names a tensor twice"):
+        validate_stream([*pairs, pairs[-1]], None)
+    # From the second sync on, a tensor's dtype (or shape) may not change: vLLM loads into the first sync's storage.
+    with pytest.raises(ValueError, match=r"changed since the first sync: .*changed \[\('model.norm.weight'"):
+        validate_stream([(n, t.bfloat16() if n == "model.norm.weight" else t) for n, t in pairs], meta)
+    with pytest.raises(ValueError, match=rf"{name} is torch.bfloat16 \(4, 2\)"):
+        validate_stream([(n, t.bfloat16() if n == name else t) for n, t in pairs], None)
+    weight = name.removesuffix("_scale_inv")
+    with pytest.raises(ValueError, match=rf"{name} has no float8_e4m3fn {weight} beside it"):
+        validate_stream([(n, t.float() if n == weight else t) for n, t in pairs], None)
     # vLLM would take a non-positive KV scale for 1.0 without a word.
     kv = [*pairs, ("model.layers.0.self_attn.k_scale", torch.tensor(-1.0))]
     with pytest.raises(ValueError, match=r"non-positive scales in \['model.layers.0.self_attn.k_scale'\]"):
