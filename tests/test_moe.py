@@ -19,7 +19,7 @@ from trl_fp8.generation import build_sampler_model
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import dequantize_blockwise, iter_fp8_state, quantize_blockwise
 from trl_fp8.quant.export import load_state_stream, save_fp8_checkpoint
-from trl_fp8.quant.moe import FP8Experts, W8A8Experts
+from trl_fp8.quant.moe import FP8Experts, W8A8Experts, capture_routing
 
 
 def test_per_expert_quantization_equals_quantizing_each_expert_alone():
@@ -146,3 +146,75 @@ def test_converted_moe_deep_copies_after_a_forward():
     ids = torch.randint(0, 100, (1, 8))
     logits = model(ids).logits
     assert torch.equal(copy.deepcopy(model)(ids).logits, logits)
+
+
+def test_expert_quantization_follows_in_place_weight_changes():
+    """`load_state_dict` or an in-place edit changes the experts without an optimizer step: the cached codes and
+    scales, and the transposed codes of the grouped dgrad, follow (they are keyed on the tensor's version)."""
+    model = convert_to_fp8(qwen3_moe(), FP8Recipe(backend="emulated"))
+    experts = model.model.layers[0].mlp.experts
+    q, s, _ = (t.clone() for t in experts.quantized_with_t("down_proj"))
+    with torch.no_grad():
+        experts.down_proj.mul_(2)  # exact: the same codes under twice the scales
+    q2, s2, _ = experts.quantized_with_t("down_proj")
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, 2 * s)
+    with torch.no_grad():
+        experts.down_proj.add_(torch.randn_like(experts.down_proj))
+    q3, _, qt3 = experts.quantized_with_t("down_proj")
+    assert not torch.equal(q3.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(qt3.view(torch.uint8), q3.transpose(1, 2).contiguous().view(torch.uint8))
+
+
+def test_capture_routing_records_each_layers_expert_indices():
+    model = qwen3_moe()
+    with capture_routing(model) as routes:
+        model(torch.randint(0, 100, (2, 5)))
+    assert len(routes) == model.config.num_hidden_layers
+    for route in routes:
+        assert not route.is_floating_point() and route.shape == (10, model.config.num_experts_per_tok)
+        assert 0 <= route.min() and route.max() < model.config.num_experts
+
+
+def test_layer_ranges_kept_in_high_precision_cover_the_experts():
+    for recipe, kept in ((FP8Recipe(num_first_layers_in_bf16=1), 0), (FP8Recipe(num_last_layers_in_bf16=1), 1)):
+        model = convert_to_fp8(qwen3_moe(), recipe)
+        assert [isinstance(layer.mlp.experts, FP8Experts) for layer in model.model.layers] == [kept != 0, kept != 1]
+
+
+def test_experts_off_the_block_grid_stay_in_high_precision_with_a_warning():
+    model = qwen3_moe()
+    model.model.layers[1].mlp.experts.gate_up_proj.data = torch.randn(4, 256, 192)  # hidden 192: not whole blocks
+    model.model.layers[1].mlp.experts.down_proj.data = torch.randn(4, 192, 128)
+    with pytest.warns(UserWarning, match=r"model.layers.1.mlp.experts \(experts 128x192\)"):
+        convert_to_fp8(model, FP8Recipe())
+    assert isinstance(model.model.layers[0].mlp.experts, FP8Experts)
+    assert not isinstance(model.model.layers[1].mlp.experts, FP8Experts)
+
+
+def test_router_mismatch_counts_real_tokens_only(tmp_path, demo_tokenizer):
+    """`fp8/router_mismatch` is a share of (real token, MoE layer) pairs. With every router of the sampler negated,
+    each real token goes to the other 2 of the 4 experts in both layers (1.0); some padded positions do not (their
+    router logits tie), so counting padding would lower the figure."""
+    args = tiny_grpo_args(tmp_path, fp8_training=False, fp8_generation=False)
+    model = qwen3_moe(demo_tokenizer)
+    trainer = FP8GRPOTrainer(
+        model=model, reward_funcs=digit_reward, args=args, train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )  # fmt: skip
+    engine, pad = trainer.vllm_generation, demo_tokenizer.pad_token_id
+    engine.sync_weights()
+    with torch.no_grad():
+        for layer in engine.sampler.model.layers:
+            layer.mlp.gate.weight.neg_()
+    prompt_mask, completion_mask = torch.tensor([[0, 0, 1], [1, 1, 1]]), torch.tensor([[1, 0, 0], [1, 1, 1]])
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]).masked_fill(mask == 0, pad)
+    output = {"prompt_ids": ids[:, :3], "completion_ids": ids[:, 3:], "prompt_mask": prompt_mask}
+    output["completion_mask"] = completion_mask
+    trainer._log_router_mismatch(output, "train")
+    assert trainer._metrics["train"]["fp8/router_mismatch"] == [1.0]
+    with torch.no_grad(), capture_routing(engine.sampler) as sampled, capture_routing(model) as learned:
+        engine.sampler(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids, attention_mask=mask)
+    padded = (mask == 0).flatten()
+    assert not (sampled[0].sort(-1).values != learned[0].sort(-1).values).any(-1)[padded].all()
