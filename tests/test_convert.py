@@ -67,6 +67,10 @@ def test_misaligned_layers_stay_high_precision_with_one_warning():
 def test_glob_patterns_and_linear_routers_stay_in_high_precision(tiny_llama):
     selected, _ = select_fp8_linears(tiny_llama, FP8Recipe(modules_to_not_convert=["mlp.*"]))
     assert selected and not any(".mlp." in name for name in selected)
+    # A plain pattern matches whole dotted components anywhere in the name: "layers.1" keeps all of layer 1.
+    selected, _ = select_fp8_linears(tiny_llama, FP8Recipe(modules_to_not_convert=["layers.1"]))
+    assert selected and not any(".layers.1." in name for name in selected)
+    assert any(".layers.0." in name for name in selected) and not any(".layers.10" in name for name in selected)
     tiny_llama.model.layers[0].mlp.gate = nn.Linear(256, 128, bias=False)  # a router that is a plain nn.Linear
     assert "model.layers.0.mlp.gate" not in select_fp8_linears(tiny_llama, FP8Recipe())[0]
 
@@ -108,6 +112,7 @@ def test_training_step_changes_every_parameter(tiny_qwen2):
         ({"weight_block_size": None}, "weight_block_size must be a list, got NoneType"),
         ({"activation_block_size": None}, "activation_block_size must be a list, got NoneType"),
         ({"weight_block_size": [True, 128]}, "weight_block_size must be two positive ints"),
+        ({"weight_block_size": [0, 128], "backend": "emulated"}, "weight_block_size must be two positive ints"),
         ({"weight_block_size": [64, 64], "backend": "te"}, "weight_block_size"),
         ({"num_first_layers_in_bf16": True}, "num_first_layers_in_bf16"),
     ],

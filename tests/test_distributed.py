@@ -40,6 +40,10 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     assert len(kv_scales) == 3 * 2 and all(s.item() > 0 for s in kv_scales.values())  # Q, K, V of 2 layers
     for name, s0 in kv_scales.items():
         assert torch.equal(s0, ranks[1]["kv_scales"][name]), f"{name} differs between the ranks"
+    # The agreed scales are the largest any rank measured: no rank's values saturate.
+    local = [ranks[r]["kv_local"] for r in (0, 1)]
+    assert not torch.equal(local[0], local[1])
+    assert torch.equal(ranks[0]["kv_agreed"], torch.maximum(*local))
     for name, p0 in ranks[0]["params"].items():
         assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
     initial = tiny_policy(build_tokenizer())

@@ -244,3 +244,11 @@ def test_group_refuses_members_it_cannot_stack_by_name():
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight cannot join .*q_proj.weight's"):
         FP8SiblingGroup([attn.q_proj, mlp.down_proj])  # another in_features
     assert attn.q_proj._siblings is None  # nothing half-grouped
+    # A member of 64 rows would share a 128-row weight block with its neighbour: stacked, its scales would not be its.
+    half = FP8Linear.from_linear(
+        torch.nn.Linear(256, 64, bias=False), backend=attn.q_proj.backend, name="model.layers.0.self_attn.k_half"
+    )
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.self_attn.k_half.weight has 64 rows, not whole 128-row blocks"
+    ):
+        FP8SiblingGroup([attn.q_proj, half])

@@ -16,6 +16,7 @@ from trl_fp8 import FP8GRPOTrainer  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
+from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 
 
 def main(output_dir: str):
@@ -31,12 +32,20 @@ def main(output_dir: str):
     trainer.train()
     state = PartialState()
     params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-    sampler = trainer.vllm_generation.sampler
-    kv_scales = {n: b.clone() for n, b in sampler.named_buffers() if n.endswith(("k_scale", "v_scale", "q_scale"))}
+    engine = trainer.vllm_generation
+    kv_scales = {
+        n: b.clone() for n, b in engine.sampler.named_buffers() if n.endswith(("k_scale", "v_scale", "q_scale"))
+    }
+    # One more calibration on this rank's latest batch: what this rank measures alone, and what all ranks agree on.
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    local = calibrate_kv_scales(policy.get_decoder(), *engine.calibration_batch)
+    engine.calibrate_kv_scales()
     torch.save(
         {
             "params": params,
             "kv_scales": kv_scales,
+            "kv_local": local,
+            "kv_agreed": engine._kv_scale_invs.clone(),
             "world_size": state.num_processes,
             "log_history": trainer.state.log_history,
         },
