@@ -119,7 +119,11 @@ def bench_linear(device, backends, m, shapes, iters):
                 fp8 = FP8Linear.from_linear(lin, backend=name)
             t = timed(lambda: fp8_step(fp8), device, iters=iters)  # noqa: B023
             # Micro-batches after the first of an optimizer step reuse the quantized weight (X is new each time).
-            t_cached = timed(lambda: (setattr(_SharedActivation, "entry", None), step(fp8)), device, iters=iters)  # noqa: B023
+            t_cached = timed(
+                lambda: (setattr(_SharedActivation, "entry", None), step(fp8)),  # noqa: B023
+                device,
+                iters=iters,
+            )
             step(fp8)
             row[name] = dict(ms=t * 1e3, ratio=t_bf16 / t, ratio_weight_cached=t_bf16 / t_cached,
                              dgrad_sqnr_vs_emulated_db=sqnr(dx_ref, x.grad),
@@ -335,8 +339,10 @@ def main():
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
     else:
         ms, shapes, m_lin, iters, seq, batch = [8192, 16384], GEMM_SHAPES, 8192, 10, 4096, args.train_batch
-        config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                             num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+        )  # fmt: skip
     try:
         import triton
 

@@ -99,10 +99,11 @@ def summarize(results: dict[str, list[list[dict]]], tail: int) -> str:
             for h in histories
             if any(CALIBRATION in log for log in h)
         ]
+        error, kl, oob = (per_seed(histories, key) for key in METRICS)
+        calibration = mean_std([100 * x for x in shares], ".1f") + " %" if shares else "–"
         rows.append(
-            f"| {label} | {mean_std(per_seed(histories, METRICS[0]), '.5f')} | "
-            f"{mean_std(per_seed(histories, METRICS[1]), '.2e')} | {mean_std(per_seed(histories, METRICS[2]), '.4f')} | "
-            f"{mean_std(reward, '.3f')} | {gap} | {mean_std([100 * x for x in shares], '.1f') + ' %' if shares else '–'} |"
+            f"| {label} | {mean_std(error, '.5f')} | {mean_std(kl, '.2e')} | {mean_std(oob, '.4f')} | "
+            f"{mean_std(reward, '.3f')} | {gap} | {calibration} |"
         )
     return "\n".join(rows)
 

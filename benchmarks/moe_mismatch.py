@@ -44,9 +44,8 @@ def main():
                 k: sum(log[k] for log in logs if k in log) / sum(k in log for log in logs)
                 for k in ("sampling/token_mult_prob_error", "fp8/router_mismatch")
             }
-            print(
-                f"| {model_name} | {label} | {mean['sampling/token_mult_prob_error']:.5f} | {mean['fp8/router_mismatch']:.4f} |"
-            )
+            error, routes = mean["sampling/token_mult_prob_error"], mean["fp8/router_mismatch"]
+            print(f"| {model_name} | {label} | {error:.5f} | {routes:.4f} |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import torch
 
 
 # (h) sorts each device kernel (on CPU: each aten op) into the first category whose regex finds its name; amend here
-# when a trace shows kernels landing in "other". Ours: Triton's `quant_act_kernel`, `quant_weight_kernel`, `gemm_kernel`.
+# when a trace shows kernels landing in "other". Ours: Triton's `quant_act_kernel`, `quant_weight_kernel` and
+# `gemm_kernel`.
 PROFILE_CATEGORIES = {
     "fp8 quantize": r"quant_(act|weight)_kernel|quantize|cast_transpose",  # ours; TE's cast(+transpose) kernels
     "attention": r"flash|fmha|sdpa|attention|attn",  # before gemm: FlashAttention and cuDNN kernels run MMAs too

@@ -236,9 +236,8 @@ def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
     errors = [log["sampling/token_mult_prob_error"] for log in logs]
     calibration = [log["fp8/kv_calibration_seconds"] for log in logs]
     share = sum(calibration) / sum(log["step_time"] for log in logs)
-    print(
-        f"FP8/FP8 + FP8 KV: token_mult_prob_error {[round(e, 4) for e in errors]}, calibration {share:.1%} of step time"
-    )
+    rounded = [round(e, 4) for e in errors]
+    print(f"FP8/FP8 + FP8 KV: token_mult_prob_error {rounded}, calibration {share:.1%} of step time")
     assert len(errors) == 4 and sum(errors) / len(errors) < 1.1
     engine = trainer.vllm_generation
     assert dict(engine.state_stream())["model.layers.0.self_attn.k_scale"] > 0

@@ -62,8 +62,9 @@ def test_llm_kwargs_for_a_recipe():
         kv_cache=True,
         user_kwargs={"enforce_eager": True, "hf_overrides": {"max_position_embeddings": 256}},
     )
-    layer0 = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+    layer0 = [f"model.layers.0.{m}" for m in linears]
     assert kwargs == {
         "enforce_eager": True,
         "quantization": "fp8",
