@@ -152,6 +152,42 @@ def test_sampler_linear_sees_new_scales_under_the_same_codes():
     assert torch.equal(layer(x), -2 * y)
 
 
+def _identity_sampler_linear(features: int, *, bias: bool, pow2_scales: bool = False) -> W8A8Linear:
+    """A sampler linear whose weight is exactly the identity (codes 1.0, scale_inv 1): it returns its input as the
+    sampler quantized it, plus its bias."""
+    layer = W8A8Linear(features, features, bias=bias, dtype=torch.float32, pow2_scales=pow2_scales)
+    layer.weight.copy_(torch.eye(features).to(FP8_DTYPE))
+    return layer
+
+
+def _as_sampler_quantizes(x: torch.Tensor, pow2: bool) -> torch.Tensor:
+    return dequantize_blockwise(*quantize_per_token_group(x, 128, pow2_scales=pow2), (1, 128))
+
+
+def test_sampler_linear_adds_its_bias_and_follows_its_scale_rule():
+    """Qwen2's q/k/v carry biases, which the sampler adds; with the recipe's pow2 scales it quantizes activations
+    as vLLM's E8M0 path does (the two grids differ on this input, so the test tells them apart)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 256)
+    biased = _identity_sampler_linear(256, bias=True)
+    biased.bias.copy_(torch.linspace(-3, 3, 256))
+    assert torch.equal(biased(x), _as_sampler_quantizes(x, False) + biased.bias)
+    assert not torch.equal(_as_sampler_quantizes(x, True), _as_sampler_quantizes(x, False))
+    for pow2 in (False, True):
+        assert torch.equal(
+            _identity_sampler_linear(256, bias=False, pow2_scales=pow2)(x), _as_sampler_quantizes(x, pow2)
+        )
+
+
+def test_dequantize_refuses_scales_that_do_not_cover_the_blocks_and_takes_1d_back():
+    q, s = quantize_blockwise(torch.randn(256, 256))
+    with pytest.raises(ValueError, match="scale_inv has shape"):
+        dequantize_blockwise(q, s[:, :1])  # too few K blocks would broadcast silently over each row
+    x = torch.tensor([1.0, -2.0, 0.5, 448.0, 3.0] * 60)  # 300 values on the E4M3 grid, in 3 blocks of 1x128
+    q, s = quantize_blockwise(x, (1, 128))  # a 1-D tensor is one row
+    assert q.shape == (300,) and s.shape == (3,) and torch.equal(dequantize_blockwise(q, s, (1, 128)), x)
+
+
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
 def test_a_block_of_subnormals_gets_the_largest_finite_scale(pow2):
     """448 / amax overflows fp32 for a subnormal amax: the scale is then fp32's max, never inf (whose scale_inv 0

@@ -25,7 +25,7 @@ def make_layer(in_f=384, out_f=256, bias=True, seed=0):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("tokens", [(4, 33), (130,)], ids=["batch_x_seq", "flat_partial_block"])
+@pytest.mark.parametrize("tokens", [(4, 33), (130,), (1,)], ids=["batch_x_seq", "flat_partial_block", "one_token"])
 @pytest.mark.parametrize("block", [(128, 128), (64, 128)], ids=["w128x128", "w64x128"])
 def test_forward_and_gradients_match_dequantized_reference(bias, tokens, block):
     _, fp8 = make_layer(bias=bias)
@@ -96,6 +96,15 @@ def test_quantized_weight_is_cached_until_the_weight_changes(fused):
     assert torch.equal(fp8.quantized_weight()[1], s_ref * 2)
     mark_weights_changed()
     assert torch.equal(fp8.quantized_weight()[1], s_ref * 4)
+    fp8.pow2_scales = True  # another scale rule: other scales for the same weight
+    q_ref, s_ref = quantize_blockwise(fp8.weight.detach(), (128, 128), pow2_scales=True)
+    q3, s3 = fp8.quantized_weight()
+    assert torch.equal(s3, s_ref) and torch.equal(q3.view(torch.uint8), q_ref.view(torch.uint8))
+    # A weight loaded by assignment: a new tensor whose version counter (0) may equal the old one's.
+    fp8.weight = nn.Parameter(torch.randn(256, 384))
+    fp8.quantized_weight()
+    fp8.weight = nn.Parameter(10 * torch.randn(256, 384))
+    assert torch.equal(fp8.quantized_weight()[1], quantize_blockwise(fp8.weight.detach(), pow2_scales=True)[1])
 
 
 def test_swap_is_zero_copy():
@@ -200,6 +209,13 @@ def test_no_grad_forwards_skip_the_wgrad_quantization(act_quantizations):
     # no-grad forward: X only; training forward: X and Xᵀ; backward: dY and dYᵀ.
     assert act_quantizations == [False, True, True]
     assert torch.equal(y_inference, y.detach())
+    # A frozen weight has no wgrad: its forward keeps no Xᵀ (activation memory), its backward still gives dX.
+    act_quantizations.clear()
+    fp8.weight.requires_grad_(False)
+    fp8.bias.requires_grad_(False)
+    x = torch.randn(4, 384, requires_grad=True)
+    fp8(x).sum().backward()
+    assert act_quantizations[0] is False and x.grad is not None
 
 
 @pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=triton_marks())])

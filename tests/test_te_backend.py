@@ -44,9 +44,11 @@ def _no_visible_gpu(**_):
     "fake_te,reason",
     [
         (dict(__version__="2.8.0"), r"TransformerEngine 2.8.0 is too old for this backend \(needs >= 2.20\)"),
+        # `autocast` arrived before the block-scaling query: a TE with only the first is too old too, not GPU-less.
+        (dict(__version__="2.3.0", autocast=None), r"TransformerEngine 2.3.0 is too old for this backend"),
         (dict(autocast=None, is_fp8_block_scaling_available=_no_visible_gpu), "cannot query the GPU: No CUDA GPUs"),
     ],
-    ids=["too_old", "no_visible_gpu"],
+    ids=["too_old", "without_block_scaling", "no_visible_gpu"],
 )
 def test_a_transformer_engine_that_cannot_run_the_recipe_is_explained(monkeypatch, fake_te, reason):
     """TE cannot be installed here, so stand-ins (the one mock in this file) play an old TE and a TE whose GPU
