@@ -10,6 +10,7 @@ from pathlib import Path
 from trl import ModelConfig, TrlParser
 
 from trl_fp8 import FP8GRPOConfig
+from trl_fp8.demo.task import accuracy_reward
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,12 @@ def load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_demo_reward_is_an_exact_match_up_to_surrounding_spaces():
+    """The demo vocabulary has a space token: a sampled " 68" or "68 " is the right answer, "6 8" is not."""
+    completions = [" 68", "68 ", "68<eos>", "6 8", "69"]
+    assert accuracy_reward(completions, ["68"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_every_recipe_parses_into_fp8_grpo_config(tmp_path):

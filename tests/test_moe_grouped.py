@@ -28,6 +28,25 @@ def test_group_by_expert_layout():
     assert g.tile_expert.tolist() == [0, 1, 2, 4, 4]  # 4: no expert (zero outputs)
     by_row = {int(r): (int(t), int(p)) for r, t, p in zip(g.dest, g.token, g.pos, strict=True)}
     assert by_row == {0: (0, 1), 1: (2, 0), 2: (3, 1), 128: (1, 1), 256: (0, 0), 257: (1, 0), 258: (3, 0), 384: (2, 1)}
+    beyond = top_k.clone()
+    beyond[2, 1] = 7  # any index past the experts is a dropped pair too, never an out-of-bounds write
+    assert all(torch.equal(a, b) for a, b in zip(g[:5], group_by_expert(beyond, num_experts=4)[:5], strict=True))
+
+
+def test_grouped_gemm_gives_tiles_of_no_expert_zeros():
+    """Tiles of no expert (index E) hold dropped pairs, whose rows are real hidden states: their outputs are zeros,
+    computed with no expert's weights."""
+    from trl_fp8.quant.backends.triton_kernels import grouped_gemm
+
+    torch.manual_seed(0)
+    xq, xs = quantize_blockwise(torch.randn(256, 128, device=DEVICE), (1, 128))
+    wq, ws = quantize_blockwise(torch.randn(2, 128, 128, device=DEVICE), (128, 128))
+    tile_expert = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)  # rows 0-127: expert 0; 128-255: none
+    y = grouped_gemm(xq, xs, wq, ws, tile_expert, torch.float32)
+    assert not y[128:].any()
+    assert (
+        sqnr_db(emulated.gemm(xq[:128], xs[:128], wq[0], ws[0], (128, 128), torch.float32), y[:128]) > ACCUMULATION_DB
+    )
 
 
 def test_grouping_never_waits_for_the_gpu():

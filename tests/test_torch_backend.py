@@ -80,6 +80,20 @@ def test_any_operands_are_padded_to_the_layout_and_keep_the_product(m, k, n, b_b
     assert sqnr_db(emulated.gemm(a, sa, b, sb, b_block, torch.float32), out[:m]) > 100
 
 
+def test_transposed_weight_scales_get_the_layout_too():
+    """dgrad's B is Wᵀ, and its 128x128 scales may arrive as a transposed view (a sibling member's column slice of
+    the stacked weight's scales, when its N/128 is a multiple of 4, needs no padding and stays one)."""
+    torch.manual_seed(0)
+    w, ws = quantize_blockwise(torch.randn(512, 256, device=DEVICE), (128, 128))  # W (N, K): scales (4, 2)
+    dy, dys = quantize_blockwise(torch.randn(8, 512, device=DEVICE), (1, 128))
+    b, sb = w.t(), ws.t()  # Wᵀ (256, 512) with (2, 4) scales of strides (1, 2)
+    operands = cublas_operands(dy, dys, b, sb, (128, 128))
+    assert_scaled_mm_layout(*operands)
+    mat_a, mat_b, scale_a, _, scale_b, recipe_b = operands
+    out = scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)[:8]
+    assert sqnr_db(emulated.gemm(dy, dys, b, sb, (128, 128), torch.float32), out) > 100
+
+
 def test_unsupported_weight_block_is_refused():
     a, sa = quantize_blockwise(torch.randn(4, 128), (1, 128))
     b, sb = quantize_blockwise(torch.randn(128, 128), (64, 64))

@@ -109,6 +109,36 @@ def test_weight_kernel_matches_reference(shape, pow2):
         assert torch.equal(_codes(q), _codes(rq))
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_weight_quantizer_takes_other_blocks_through_the_reference(pow2):
+    """The weight kernel tiles 128x128 only: a layer with other blocks (64x128 here, on the triton backend) is
+    quantized in its own blocks, never in 128x128 ones (its scales would not fit its checkpoint)."""
+    torch.manual_seed(0)
+    w = (torch.randn(256, 384) * torch.logspace(-3, 1, 256)[:, None]).to(DEVICE)  # rows of different magnitudes
+    q, s, _ = fast_weight(w, (64, 128), pow2, "w")
+    rq, rs = quantize_blockwise(w, (64, 128), pow2_scales=pow2)
+    assert s.shape == (4, 3) and torch.equal(s, rs) and torch.equal(_codes(q), _codes(rq))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_a_subnormal_tile_gets_the_largest_finite_scale_as_in_the_reference(pow2):
+    """448 / amax overflows for a subnormal amax (tiny gradients): the scale is then fp32's max, as in the reference,
+    in the act quantizer (both usages) and the weight quantizer. On a GPU this also checks that the kernels keep
+    subnormals (no flush to zero, which would give scale 1)."""
+    from trl_fp8.quant.backends.triton_kernels import quantize_act, quantize_weight
+
+    x = torch.randn(128, 256)
+    x[:, :128] = torch.linspace(-1e-40, 1e-40, 128 * 128).reshape(128, 128)
+    x = x.to(DEVICE)
+    _, rs = quantize_blockwise(x, (1, 128), pow2_scales=pow2)
+    _, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=pow2)
+    _, rsw = quantize_blockwise(x, (128, 128), pow2_scales=pow2)
+    assert bool((rs[:, 0] < 1e-30).all())  # 1 / fp32's max, not 1
+    _, s, _, st, _ = quantize_act(x, pow2_scales=pow2, with_t=True)
+    assert torch.equal(s, rs) and torch.equal(st, rst)
+    assert torch.equal(quantize_weight(x, pow2_scales=pow2)[1], rsw)
+
+
 def test_weight_kernel_refuses_nonfinite_weights_by_name():
     w = torch.randn(256, 256, device=DEVICE)
     w[3, 200] = float("inf")

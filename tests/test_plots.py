@@ -1,0 +1,37 @@
+"""The training-curve figure (`trl_fp8.utils.plots`) on histories shaped like `Trainer.state.log_history`: long
+enough for its moving average, and seeds of different lengths, which the trainer tests' 2-3 step runs never give."""
+
+import pytest
+
+from trl_fp8.utils.plots import plot_curves, series
+
+
+pytest.importorskip("matplotlib")
+
+
+def history(steps: int, offset: float = 0.0) -> list[dict]:
+    logs = [
+        {"step": s, "reward": 0.1 * s + offset, "sampling/token_mult_prob_error": 1.0 + 1e-3 * s}
+        for s in range(1, steps + 1)
+    ]
+    return logs + [{"train_runtime": 1.0}]  # the Trainer's closing entry has no step
+
+
+def is_png(path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_series_reads_the_steps_that_log_the_key():
+    steps, values = series(history(3), "reward")
+    assert steps.tolist() == [1.0, 2.0, 3.0] and values.tolist() == pytest.approx([0.1, 0.2, 0.3])
+    assert series(history(3), "loss")[0].size == 0
+
+
+def test_runs_longer_than_the_window_are_smoothed(tmp_path):
+    assert is_png(plot_curves({"FP8/FP8": [history(12)]}, tmp_path / "curves.png", smooth=5))
+
+
+def test_seeds_of_different_lengths_are_cut_to_the_shortest(tmp_path):
+    """A run stopped early logs fewer steps than its sibling seeds."""
+    runs = {"FP8/FP8": [history(9), history(7, offset=0.5)], "BF16/BF16": [history(8)]}
+    assert is_png(plot_curves(runs, tmp_path / "curves.png", smooth=5))
