@@ -68,6 +68,28 @@ def test_a_transformer_engine_that_cannot_run_the_recipe_is_explained(monkeypatc
         te_status.cache_clear()
 
 
+@pytest.mark.parametrize(
+    "capability,message",
+    [((9, 0), r"^TransformerEngine on SM90$"), ((10, 0), r"^SM100: .* emulates this recipe with MXFP8 .*pow2_scales")],
+    ids=["hopper", "blackwell"],
+)
+def test_a_usable_transformer_engine_says_how_it_runs_the_recipe(monkeypatch, capability, message):
+    """Stand-ins again (TE and a GPU cannot run here): a TE whose block-scaling query says yes, and the compute
+    capability of a Hopper or a Blackwell GPU, where TE runs this recipe as MXFP8."""
+    package, module = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
+    module.autocast, module.is_fp8_block_scaling_available = None, lambda return_reason: (True, "")
+    package.pytorch = module
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    te_status.cache_clear()
+    try:
+        ok, why = te_status()
+        assert ok and re.search(message, why), why
+    finally:
+        te_status.cache_clear()
+
+
 te_only = pytest.mark.skipif(not TE_OK, reason=f"needs TransformerEngine on a GPU ({te_status()[1]})")
 
 
