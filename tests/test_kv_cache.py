@@ -88,6 +88,25 @@ def test_caches_go_by_the_installed_transformers_keyword():
         engine.generate(demo_prompts(tokenizer, n=2))
 
 
+def test_calibration_measures_a_training_model_as_it_samples():
+    """The learner is in training mode when it recalibrates: with attention dropout the scales would change from call
+    to call, and under gradient checkpointing transformers < 5.24 drops the cache it records K/V in. Calibration
+    runs in eval mode and gives the training modes back."""
+    model, tokenizer = load_demo_model_and_tokenizer()
+    ids, mask = left_pad(demo_prompts(tokenizer), tokenizer.pad_token_id)
+    expected = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.gradient_checkpointing_enable()
+    model.train()
+    model.model.layers[1].eval()  # a mixed state, given back as it was
+    torch.manual_seed(0)
+    assert torch.equal(calibrate_kv_scales(model.get_decoder(), ids, mask), expected)
+    assert torch.equal(calibrate_kv_scales(model.get_decoder(), ids, mask), expected)
+    assert model.training and model.model.layers[0].training and not model.model.layers[1].training
+
+
 def test_padding_never_counts_in_the_calibration():
     """The scales come from real tokens only. The padding token's embedding is set so that layer 0 writes a larger V
     at padded positions than at any real one (after the RMSNorm, it points along v_proj's longest row); no real token

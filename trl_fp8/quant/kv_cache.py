@@ -195,10 +195,23 @@ def calibrate_kv_scales(
 ) -> torch.Tensor:
     """Runs `decoder` (the base model, without its LM head) on a calibration batch and returns the (num_layers, 3)
     fp32 tensor of K, V and Q dequant multipliers (after RoPE, as the cache and the attention kernel see them), from
-    the padding-free tokens only."""
+    the padding-free tokens only. The forward runs in eval mode (the training modes are restored after)."""
     recorder = KVAmaxRecorder()
-    with _recording_queries(decoder) as query_amax:
-        decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{CACHE_KWARG: recorder})
+    # A measurement takes no dropout; and transformers < 5.24 drops the cache of a training model under gradient
+    # checkpointing even without grad (TRL's default), which would leave nothing recorded.
+    modes = {m: m.training for m in decoder.modules()}
+    decoder.eval()
+    try:
+        with _recording_queries(decoder) as query_amax:
+            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{CACHE_KWARG: recorder})
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    if sorted(recorder.token_amax) != sorted(query_amax):
+        raise RuntimeError(
+            f"FP8 KV cache calibration: the forward stored K/V for layers {sorted(recorder.token_amax)} of "
+            f"{sorted(query_amax)}; the model does not fill the cache it is given"
+        )
     valid = attention_mask.bool()
     scales = [
         [kv_scale_inv_from_amax(amax[valid], percentile, margin) for amax in (*recorder.token_amax[i], query_amax[i])]
