@@ -3,6 +3,8 @@ with and without token-level truncated importance sampling, over several seeds.
 
     python benchmarks/mismatch.py                      # full run: 40 steps x 3 seeds per configuration
     python benchmarks/mismatch.py --quick              # smoke run: 3 steps, one seed, into a temporary folder
+    python benchmarks/mismatch.py --precisions "FP8/FP8 + FP8 KV cache" --kv_scale_percentile 100 \
+        --kv_calibration_rows 128 --output_dir /tmp/kv_max_128   # one calibration variant of the KV-cache rows
 
 Writes `<output_dir>/mismatch.md` (mean ± std over seeds), `<output_dir>/mismatch.json` (every run's log) and
 `<output_dir>/mismatch.png` (reward and token_mult_prob_error vs step, one line per configuration, shaded by the seed
@@ -118,6 +120,13 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--quick", action="store_true", help="3 steps, one seed: a smoke run for CI")
     parser.add_argument("--replot", action="store_true", help="only redraw mismatch.png from mismatch.json")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument(
+        "--kv_scale_percentile", type=float, default=None, help="FP8GRPOConfig.fp8_kv_scale_percentile (KV rows)"
+    )
+    parser.add_argument(
+        "--kv_calibration_rows", type=int, default=None, help="FP8GRPOConfig.fp8_kv_calibration_rows (KV rows)"
+    )
     args = parser.parse_args()
     if args.output_dir is None:  # a smoke run must not overwrite the committed figures
         args.output_dir = (
@@ -135,12 +144,21 @@ def main():
     logging.getLogger("trl_fp8").setLevel(logging.ERROR)
 
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(p, i, s) for p in PRECISIONS for i in IS_MODES for s in args.seeds]
+    jobs = [(p, i, s) for p in args.precisions for i in IS_MODES for s in args.seeds]
+    kv_fields = {
+        field: value
+        for field, value in (
+            ("fp8_kv_scale_percentile", args.kv_scale_percentile),
+            ("fp8_kv_calibration_rows", args.kv_calibration_rows),
+        )
+        if value is not None
+    }
     results: dict[str, list[list[dict]]] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for precision, is_label, seed in tqdm(jobs, desc="mismatch runs"):
-            history = run(PRECISIONS[precision], IS_MODES[is_label], seed, args.steps, args.batch, tmp)
+            fields = {**PRECISIONS[precision], **(kv_fields if PRECISIONS[precision].get("fp8_kv_cache") else {})}
+            history = run(fields, IS_MODES[is_label], seed, args.steps, args.batch, tmp)
             results.setdefault(f"{precision}, {is_label}", []).append(history)
     minutes = (time.perf_counter() - start) / 60
 
