@@ -96,6 +96,7 @@ def profile_summary(events, steps: int, wall_s: float, on_device: bool) -> dict:
     kernels = [e for e in events if _is_device(e) and not getattr(e, "is_user_annotation", False)
                and "annotation" not in str(getattr(e, "activity_type", "") or "")]  # fmt: skip
     timed_events = []  # (name, category, microseconds)
+    python = []  # per CPU event: a Python frame (CPU path only)
     if kernels:
         # A kernel's id is the correlation id of the runtime call that launched it (cudaLaunchKernel, or Triton's
         # cuLaunchKernelEx), a CPU event nested in the ops and scopes that made the call. CPU ops' ids are another
@@ -111,11 +112,11 @@ def profile_summary(events, steps: int, wall_s: float, on_device: bool) -> dict:
             busy_us += max(0.0, stop - max(start, end))
             end = max(end, stop)
     else:
+        python = [bool(getattr(e, "is_python_function", _PYTHON_EVENT.search(e.name))) for e in cpu]
         ops = [
-            e for e in cpu
-            if not getattr(e, "is_user_annotation", False) and not getattr(e, "is_async", False)
-            and not getattr(e, "is_python_function", _PYTHON_EVENT.search(e.name)) and e.name != "[memory]"
-            and not _RUNTIME_CALL.search(e.name)
+            e for e, is_python in zip(cpu, python, strict=True)
+            if not is_python and not getattr(e, "is_user_annotation", False) and not getattr(e, "is_async", False)
+            and e.name != "[memory]" and not _RUNTIME_CALL.search(e.name)
         ]  # fmt: skip
         for e in ops:
             category = scope_of(e) or _match(_CATEGORY_RES, e.name) or (op_of(e.cpu_parent) if e.cpu_parent else None)
@@ -155,7 +156,11 @@ def profile_summary(events, steps: int, wall_s: float, on_device: bool) -> dict:
             sources[next(a.name for a in reversed([e, *_ancestors(e)]) if a.name.startswith("aten::"))] += 1
     out = dict(
         # A GPU whose profiler recorded no kernels (CUPTI unavailable) still gets the host's side of the story.
-        time_base="cuda kernels" if kernels else "cpu ops (no cuda kernels recorded)" if on_device else "cpu ops",
+        # Some builds record no Python frames with `with_stack` (torch 2.9's CUDA wheel on a machine without a GPU):
+        # the emulated backend's quantization is then plain aten ops, counted under "gemm", "copy" or "other".
+        time_base="cuda kernels" if kernels else "cpu ops (no cuda kernels recorded)" if on_device else (
+            "cpu ops" if any(python) else "cpu ops (no Python frames recorded: fp8 quantize unseen)"
+        ),
         step_ms=step_us / 1e3,
         categories={c: dict(ms=us / steps / 1e3, share=us / steps / step_us) for c, us in per_category.items()},
         busy_share=busy_us / steps / step_us,

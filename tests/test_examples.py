@@ -91,13 +91,16 @@ def test_gpu_bench_smoke(tmp_path):
     assert list(profile) == ["shape", "bf16", *report["backends"]]
     for label in ("bf16", *report["backends"]):
         p = profile[label]
-        assert p["time_base"] in ("cpu ops", "cuda kernels") and p["step_ms"] > 0 and p["step_ms_unprofiled"] > 0
+        assert (
+            p["time_base"].startswith(("cpu ops", "cuda kernels")) and p["step_ms"] > 0 and p["step_ms_unprofiled"] > 0
+        )
         assert {"gemm", "fp8 quantize", "other"} <= p["categories"].keys() and p["categories"]["gemm"]["ms"] > 0
         assert 0 < sum(c["share"] for c in p["categories"].values()) <= p["busy_share"] * 1.001
         assert isinstance(p["host_syncs"], int) and p["host_syncs"] >= 0 and p["launches_per_step"] > 0
         assert 0 < len(p["top"]) <= 15 and all(len(t["name"]) <= 80 and t["ms_per_step"] >= 0 for t in p["top"])
     assert profile["bf16"]["categories"]["fp8 quantize"]["ms"] == 0
-    if "emulated" in profile:  # plain aten ops: only their Python callers tell them from the rest
+    # Plain aten ops: only their Python callers tell them from the rest, where the profiler records those frames.
+    if "emulated" in profile and profile["emulated"]["time_base"] == "cpu ops":
         assert profile["emulated"]["categories"]["fp8 quantize"]["ms"] > 0
     md = (tmp_path / "gpu_bench.md").read_text()
     assert "(h) where a training step's time goes" in md

@@ -58,3 +58,20 @@ def test_kernels_are_charged_to_the_op_or_scope_that_launched_them():
     assert out["time_base"] == "cuda kernels" and out["launches_per_step"] == 3
     # Busy time is the union of kernel intervals: 20-40 and 80-130 of 200 us.
     assert out["busy_share"] == pytest.approx(70 / 200)
+
+
+@pytest.mark.parametrize("frames", [True, False])
+def test_cpu_time_base_says_whether_python_frames_placed_the_quantization(frames):
+    # On CPU the emulated quantizer is plain aten ops: only its Python frame tells it from the GEMM's. A profile that
+    # recorded no frames (torch 2.9's CUDA wheel without a GPU) must say that "fp8 quantize" could not be seen.
+    amax = _cpu(2, "aten::amax", 10, 30)
+    if frames:
+        frame = _cpu(1, "trl_fp8/quant/blockwise.py(79): quantize_blockwise", 0, 40)
+        frame.is_python_function = True  # a constructor argument only from torch 2.10
+        amax.set_cpu_parent(frame)
+        frame.append_cpu_child(amax)
+    events = [frame, amax] if frames else [amax]
+    out = profile_summary(events, steps=1, wall_s=100e-6, on_device=False)
+    assert out["categories"]["fp8 quantize"]["ms"] == pytest.approx(0.020 if frames else 0.0)
+    assert out["time_base"] == ("cpu ops" if frames else "cpu ops (no Python frames recorded: fp8 quantize unseen)")
+    assert out["launches_per_step"] == 1  # the frame is not an op
