@@ -1,5 +1,14 @@
-"""`gpu_bench.py`'s report: the markdown tables of every section, the targets of issue #5, and Amdahl's bound on the
-training step. Pure functions of the results dict that `gpu_bench.py` also writes as JSON."""
+"""`gpu_bench.py`'s report: the markdown tables of every section, the targets of issue #5, Amdahl's bound on the
+training step, and one figure of every FP8/BF16 ratio against its target. Pure functions of the results dict that
+`gpu_bench.py` also writes as JSON; run as a script to draw the figure from that JSON on another machine (the GPU
+machine may lack matplotlib):
+
+    python benchmarks/bench_report.py benchmarks/results/gpu     # reads gpu_bench.json, writes gpu_targets.png
+"""
+
+import argparse
+import json
+from pathlib import Path
 
 from step_profile import profile_markdown
 
@@ -119,3 +128,92 @@ def targets(results) -> dict[str, bool]:
         shares = [v["share_of_copy"] for k, v in results["quantize"].items() if "triton" in k]
         met["triton quantize >= 70% of copy"] = min(shares) >= TARGETS["quantize_share"]
     return met
+
+
+def _gemm_label(r) -> str:
+    m = f"{r['M'] // 1024}k" if r["M"] % 1024 == 0 else str(r["M"])
+    return f"{m} x {r['K']}\n-> {r['N']}"
+
+
+def plot_panels(results) -> list[dict]:
+    """What `plot_targets` draws: per panel a title, its target, and `{backend: {x label: value}}` (ratios to BF16;
+    for (c), shares of copy bandwidth)."""
+    names = list(results["backends"])
+    panels = []
+    for key, title, target in (("gemm", "(a) block-FP8 GEMM", "gemm"), ("linear", "(b) FP8Linear fwd+bwd", "linear")):
+        rows = results.get(key) or []
+        bars = {n: {_gemm_label(r): r[n]["ratio"] for r in rows if n in r} for n in names}
+        panels.append(dict(title=f"{title}, ratio to BF16", target=TARGETS[target], bars=bars, ylabel="x BF16"))
+    q = results.get("quantize") or {}
+    shares = {k: v["share_of_copy"] for k, v in q.items() if isinstance(v, dict) and "share_of_copy" in v}
+    panels.append(
+        dict(
+            title="(c) quantization, share of copy bandwidth",
+            target=TARGETS["quantize_share"],
+            bars={"kernel": shares},
+            ylabel="share of copy",
+        )  # fmt: skip
+    )
+    steps = {}
+    for key, tag in (("train_step", ""), ("train_step_1seq", ", 1 seq")):
+        for label, v in (results.get(key) or {}).items():
+            if isinstance(v, dict) and "ratio" in v:
+                steps.setdefault("step", {})[f"{label}{tag}"] = v["ratio"]
+    shape = (results.get("train_step") or {}).get("shape", "")
+    panels.append(dict(title=f"(d) 1B training step {shape}".strip(), target=TARGETS["train_step"], bars=steps,
+                       ylabel="x BF16 tokens/s"))  # fmt: skip
+    return panels
+
+
+def plot_targets(results, path: str | Path) -> Path:
+    """Every FP8/BF16 ratio of (a)-(d) as bars, with BF16 (1.0) and issue #5's target drawn across; saves a PNG."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = plot_panels(results)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for ax, panel in zip(axes.flat, panels, strict=True):
+        groups = [g for g, values in panel["bars"].items() if values]
+        labels = list(dict.fromkeys(x for g in groups for x in panel["bars"][g]))
+        width = 0.8 / max(1, len(groups))
+        top = panel["target"]
+        for i, group in enumerate(groups):
+            placed = [(j, panel["bars"][group][x]) for j, x in enumerate(labels) if x in panel["bars"][group]]
+            xs = [j + (i - (len(groups) - 1) / 2) * width for j, _ in placed]
+            bars = ax.bar(xs, [y for _, y in placed], width, label=group if len(groups) > 1 else None)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+            top = max(top, *(y for _, y in placed))
+        if "share" not in panel["ylabel"]:
+            ax.axhline(1.0, color="grey", linewidth=1, label="BF16")
+        ax.axhline(panel["target"], color="red", linestyle="--", linewidth=1, label=f"target {panel['target']:g}")
+        wrapped = [
+            "\n".join(textwrap.fill(line, 16, break_long_words=False) for line in x.splitlines()) for x in labels
+        ]
+        ax.set_xticks(range(len(labels)), wrapped, fontsize=7)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_ylabel(panel["ylabel"])
+        ax.set_title(panel["title"], fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", ncol=4)
+    fig.suptitle(f"FP8 vs BF16 on {results['device']} (torch {results['torch']})")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", help="a gpu_bench output folder (holding gpu_bench.json)")
+    folder = Path(parser.parse_args().folder)
+    results = json.loads((folder / "gpu_bench.json").read_text())
+    print(f"wrote {plot_targets(results, folder / 'gpu_targets.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,9 @@ at 4096 tokens, tokens/s, (e) peak memory, (f) every fast path against the `emul
 (g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts, (h) where (d)'s step time
 goes per precision: kernel time per category (GEMM, FP8 quantize, attention, optimizer, copies), GPU busy share,
 launches and host syncs per step, top kernels (and `profile_<first FP8 backend>.json.gz`, a Perfetto trace).
-Writes `gpu_bench.json` and `gpu_bench.md`. On a machine without an SM90 GPU the fast backend is `emulated` and the
-ratios mean nothing; `--smoke` exists to check the script itself there.
+Writes `gpu_bench.json`, `gpu_bench.md` and `gpu_targets.png` (every ratio against its target). On a machine without
+an SM90 GPU the fast backend is `emulated` and the ratios mean nothing; `--smoke` exists to check the script itself
+there.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench_report import markdown, targets  # benchmarks/, on sys.path when run as a script
+from bench_report import markdown, plot_targets, targets  # benchmarks/, on sys.path when run as a script
 from step_profile import BENCH_SYNC, profile_summary
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
@@ -381,6 +382,10 @@ def main():
         (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
         (out / "gpu_bench.md").write_text(markdown(results))
     print(markdown(results))
+    try:
+        print(f"wrote {plot_targets(results, out / 'gpu_targets.png')}")
+    except ImportError:  # the lent GPU machine may have no matplotlib
+        print(f"no matplotlib here: draw the figure with `python benchmarks/bench_report.py {out}` elsewhere")
 
 
 if __name__ == "__main__":

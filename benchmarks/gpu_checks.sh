@@ -3,7 +3,8 @@
 # cleanly when those are missing): about 5 minutes on one H200, at most 9.5 (the timeouts below keep it under the
 # device's 10-minute cap per call; Triton's first compiles and autotuning are most of the tests' time). Results land
 # in OUT_DIR:
-#   env.txt, pytest.log, bench.log, gpu_bench.json, gpu_bench.md, profile_<backend>.json.gz (a Perfetto trace)
+#   env.txt, pytest.log, bench.log, gpu_bench.json, gpu_bench.md, profile_<backend>.json.gz (a Perfetto trace),
+#   gpu_targets.png (where matplotlib is installed; else `python benchmarks/bench_report.py OUT_DIR` draws it)
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [gpu_bench.py options, e.g. --smoke to check the script on a CPU]
 #

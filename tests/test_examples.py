@@ -86,6 +86,7 @@ def test_gpu_bench_smoke(tmp_path):
         assert all(r[backend]["sqnr_vs_emulated_db"] > 35 for r in report["gemm"])
         assert report["train_step"][backend]["ratio"] > 0
     assert (tmp_path / "gpu_bench.md").read_text().startswith("Device:")
+    assert (tmp_path / "gpu_targets.png").read_bytes()[:4] == b"\x89PNG"
     # (h): where the step's time went, per precision (on CPU ops where there are no kernels).
     profile = report["profile"]
     assert list(profile) == ["shape", "bf16", *report["backends"]]

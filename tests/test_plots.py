@@ -1,5 +1,10 @@
 """The training-curve figure (`trl_fp8.utils.plots`) on histories shaped like `Trainer.state.log_history`: long
-enough for its moving average, and seeds of different lengths, which the trainer tests' 2-3 step runs never give."""
+enough for its moving average, and seeds of different lengths, which the trainer tests' 2-3 step runs never give; and
+the GPU benchmark's figure of ratios against targets (`benchmarks/bench_report.py`)."""
+
+import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +40,24 @@ def test_seeds_of_different_lengths_are_cut_to_the_shortest(tmp_path):
     """A run stopped early logs fewer steps than its sibling seeds."""
     runs = {"FP8/FP8": [history(9), history(7, offset=0.5)], "BF16/BF16": [history(8)]}
     assert is_png(plot_curves(runs, tmp_path / "curves.png", smooth=5))
+
+
+def test_gpu_figure_draws_every_measured_ratio_against_its_target(tmp_path):
+    """On the first H200 run's committed figures (`benchmarks/results/gpu/gpu_bench.json`)."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from bench_report import TARGETS, plot_panels, plot_targets
+
+    results = json.loads((root / "benchmarks" / "results" / "gpu" / "gpu_bench.json").read_text())
+    gemm, linear, quantize, step = plot_panels(results)
+    assert [p["target"] for p in (gemm, linear, quantize, step)] == [
+        TARGETS["gemm"], TARGETS["linear"], TARGETS["quantize_share"], TARGETS["train_step"]
+    ]  # fmt: skip
+    for panel, key in ((gemm, "gemm"), (linear, "linear")):
+        for backend in results["backends"]:
+            assert list(panel["bars"][backend].values()) == [r[backend]["ratio"] for r in results[key]]
+    assert sorted(quantize["bars"]["kernel"].values()) == sorted(
+        v["share_of_copy"] for v in results["quantize"].values() if isinstance(v, dict)
+    )
+    assert step["bars"]["step"] == {n: results["train_step"][n]["ratio"] for n in results["backends"]}
+    assert is_png(plot_targets(results, tmp_path / "gpu_targets.png"))
