@@ -136,8 +136,8 @@ def _gemm_label(r) -> str:
 
 
 def plot_panels(results) -> list[dict]:
-    """What `plot_targets` draws: per panel a title, its target, and `{backend: {x label: value}}` (ratios to BF16;
-    for (c), shares of copy bandwidth)."""
+    """What `plot_targets` draws: per panel a title, its target, and `{group: {x label: value}}`, one bar group per
+    backend in (a) and (b); values are ratios to BF16, or in (c) shares of copy bandwidth."""
     names = list(results["backends"])
     panels = []
     for key, title, target in (("gemm", "(a) block-FP8 GEMM", "gemm"), ("linear", "(b) FP8Linear fwd+bwd", "linear")):
@@ -152,7 +152,7 @@ def plot_panels(results) -> list[dict]:
             target=TARGETS["quantize_share"],
             bars={"kernel": shares},
             ylabel="share of copy",
-        )  # fmt: skip
+        )
     )
     steps = {}
     for key, tag in (("train_step", ""), ("train_step_1seq", ", 1 seq")):
