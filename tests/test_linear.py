@@ -158,12 +158,14 @@ def test_auto_takes_the_oracle_for_weight_blocks_the_fast_gemms_refuse():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
-@pytest.mark.parametrize("m", [128, 200])
+# (130, 300, 144): every padding `cublas_operands` does (M to 4, K to 128, N to 128 under 128x128 scales).
+@pytest.mark.parametrize("m, k, n", [(128, 512, 384), (200, 512, 384), (130, 300, 144)])
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
-def test_torch_backend_matches_emulated(m, b_block):
-    a, sa = quantize_blockwise(torch.randn(m, 512, device="cuda"), (1, 128))
-    b, sb = quantize_blockwise(torch.randn(384, 512, device="cuda"), b_block)
+def test_torch_backend_matches_emulated(m, k, n, b_block):
+    a, sa = quantize_blockwise(torch.randn(m, k, device="cuda"), (1, 128))
+    b, sb = quantize_blockwise(torch.randn(n, k, device="cuda"), b_block)
     fast = torch_scaled_mm.gemm(a, sa, b, sb, b_block, torch.float32)
+    assert fast.shape == (m, n) and fast.is_contiguous()
     ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
     # Same FP8 products; only the fp32 accumulation order differs.
     assert sqnr_db(ref, fast) > 60

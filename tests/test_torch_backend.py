@@ -23,6 +23,32 @@ pytestmark = pytest.mark.skipif(not hasattr(F, "ScalingType"), reason="torch wit
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _on_meta(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _meta_checks_blockwise_layouts() -> bool:
+    """Whether this torch's meta kernel of `F.scaled_mm` checks the blockwise layouts itself, probed with
+    row-major A scales. torch 2.10-2.13 restate ATen's checks there; later versions leave the 1x128/128x128 recipes
+    to the CUDA kernel (`validate_scaled_mm_v2_inputs` skips them), so nothing on CPU can run torch's own check."""
+    if not hasattr(F, "ScalingType"):
+        return False
+    fp8 = torch.float8_e4m3fn
+    a, b = torch.empty(8, 256, dtype=fp8), torch.empty(128, 256, dtype=fp8).t()
+    bad_scale_a, scale_b = torch.empty(8, 2), torch.empty(1, 4).t()
+    recipe_a, recipe_b = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    try:
+        F.scaled_mm(*map(_on_meta, (a, b, bad_scale_a, recipe_a, scale_b, recipe_b)), output_dtype=torch.bfloat16)
+    except RuntimeError:
+        return True
+    return False
+
+
+META_CHECKS_BLOCKWISE = _meta_checks_blockwise_layouts()
+
+
 def _triton(fn):
     for mark in triton_marks():
         fn = mark(fn)
@@ -46,12 +72,16 @@ def assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b):
     assert scale_a.stride(1) == m or scale_a.shape[1] == scale_a.stride(1) == 1
     if recipe_b == F.ScalingType.BlockWise128x128:
         kb4 = _round_up(k // 128, 4)
-        assert scale_b.shape == (kb4, _round_up(n, 128) // 128) and scale_b.stride(0) == 1
+        assert n % 128 == 0, "N in whole 128-blocks: torch 2.10-2.13's meta wants N // 128 scales, ATen ceil(N / 128)"
+        assert scale_b.shape == (kb4, n // 128) and scale_b.stride(0) == 1
         assert scale_b.stride(1) == kb4 or scale_b.shape[1] == scale_b.stride(1) == 1
     else:
         assert recipe_b == F.ScalingType.BlockWise1x128
         assert scale_b.shape == (n, k // 128) and scale_b.stride(0) == 1
         assert scale_b.stride(1) == n or scale_b.shape[1] == scale_b.stride(1) == 1
+    if META_CHECKS_BLOCKWISE:  # and torch's own statement of the same checks, where it has one on CPU
+        meta = map(_on_meta, (mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b))
+        assert F.scaled_mm(*meta, output_dtype=torch.bfloat16).shape == (m, n)
 
 
 def scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b) -> torch.Tensor:
@@ -76,8 +106,8 @@ def test_any_operands_are_padded_to_the_layout_and_keep_the_product(m, k, n, b_b
     mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, sa, b, sb, b_block)
     assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b)
     out = scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)
-    assert not out[m:].any()  # the padding rows, which the backend drops
-    assert sqnr_db(emulated.gemm(a, sa, b, sb, b_block, torch.float32), out[:m]) > 100
+    assert not out[m:].any() and not out[:, n:].any()  # the padding rows and columns, which the backend drops
+    assert sqnr_db(emulated.gemm(a, sa, b, sb, b_block, torch.float32), out[:m, :n]) > 100
 
 
 def test_transposed_weight_scales_get_the_layout_too():
