@@ -89,12 +89,23 @@ def markdown(results) -> str:
         bound = step_bound(results)
         if bound:
             lines += ["", bound]
-    if "targets_met" in results:
+    if not_judged(results):
+        lines += ["", f"Targets: not judged ({not_judged(results)})."]
+    elif "targets_met" in results:
         lines += [
             "",
             "Targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in results["targets_met"].items()),
         ]
     return "\n".join(lines) + "\n"
+
+
+def not_judged(results) -> str | None:
+    """Why this run's ratios say nothing about the targets, or None where they do (full shapes on a GPU)."""
+    if results.get("smoke"):
+        return "a --smoke run: tiny shapes check the script, not the hardware"
+    if results.get("device") == "cpu":
+        return "no GPU: the oracle stands in for the FP8 GEMMs, against CPU BF16"
+    return None
 
 
 def step_bound(results) -> str | None:
@@ -114,6 +125,8 @@ def step_bound(results) -> str | None:
 
 def targets(results) -> dict[str, bool]:
     met = {}
+    if not_judged(results):
+        return met
     for name in results["backends"]:
         if "gemm" in results and name in results["gemm"][0]:
             met[f"{name}: gemm >= 1.6x"] = min(r[name]["ratio"] for r in results["gemm"]) >= TARGETS["gemm"]
@@ -199,7 +212,10 @@ def plot_targets(results, path: str | Path) -> Path:
         ax.set_title(panel["title"], fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", ncol=4)
-    fig.suptitle(f"FP8 vs BF16 on {results['device']} (torch {results['torch']})")
+    why = not_judged(results)
+    fig.suptitle(
+        f"FP8 vs BF16 on {results['device']} (torch {results['torch']})" + (f"\nnot judged: {why}" if why else "")
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
