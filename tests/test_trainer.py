@@ -480,3 +480,34 @@ def test_peft_is_refused_with_a_clear_error(tmp_path, demo_tokenizer):
             processing_class=demo_tokenizer,
             peft_config=LoraConfig(target_modules=["q_proj"]),
         )
+
+
+def test_rollout_func_samples_with_the_learners_current_fp8_weights(tmp_path, demo_tokenizer, monkeypatch):
+    """TRL's experimental `rollout_func` replaces TRL's generation call, not its refit: TRL still syncs the engine in
+    its slot before every rollout, so a rollout that samples through `trainer.vllm_generation` samples in FP8 with
+    the learner's current weights, and the IS correction and the mismatch metrics see its log-probs."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    stale = []
+
+    def rollout(prompts, trainer):
+        engine = trainer.vllm_generation
+        held = engine.sampler.state_dict()
+        current = [(n, t) for n, t in iter_fp8_state(trainer.model) if n.endswith("_scale_inv")]
+        stale.append(sum(not torch.equal(held[n], t) for n, t in current))
+        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+        _, completion_ids, logprobs, _ = engine.generate(prompt_ids, None, trainer.num_generations)
+        logprobs = [[lp[0] for lp in seq] for seq in logprobs]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, max_steps=3),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+        rollout_func=rollout,
+    )
+    logs = train_and_check(trainer)
+    assert len(stale) == 3 and stale == [0, 0, 0]
+    steps = [log for log in logs if "loss" in log]
+    assert all(log["fp8/sync_bytes"] > 0 and log["sampling/token_mult_prob_error"] >= 1.0 for log in steps)
