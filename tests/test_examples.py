@@ -111,3 +111,13 @@ def test_gpu_bench_smoke(tmp_path):
     assert report["targets_met"] == {} and "Targets: not judged (a --smoke run" in md and " met" not in md
     first = report["backends"][0]
     assert report["train_step"][f"{first} unfused"]["ratio"] > 0  # what stacking the sibling linears gives
+    # The 8B-layer step: its own model, every backend, in the report and the figure's (d) panel.
+    assert all(report["train_step_8b"][b]["ratio"] > 0 for b in report["backends"])
+    assert "(d, e) training step, two Llama-3.1-8B layers" in md
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_report import plot_panels
+
+    step_bars = plot_panels(report)[3]["bars"]["step"]
+    assert {
+        f"{b}, 8B layers": report["train_step_8b"][b]["ratio"] for b in report["backends"]
+    }.items() <= step_bars.items()
