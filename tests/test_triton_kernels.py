@@ -162,10 +162,15 @@ def test_nonfinite_weight_is_refused_at_the_latest_by_the_next_export():
             module.quantized_weight()
 
 
+# 64-wide tiles share one weight scale per K block (a scalar in the kernel), 256-wide tiles span two (a vector).
+@pytest.mark.parametrize("tile", [None, {"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 4}], ids=["default", "wide"])
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
 @pytest.mark.parametrize("transposed_b", [False, True])
-def test_triton_gemm_matches_emulated(b_block, transposed_b):
+def test_triton_gemm_matches_emulated(b_block, transposed_b, tile):
     from trl_fp8.quant.backends.triton_kernels import gemm
+
+    if tile is not None and torch.cuda.is_available():
+        tile = {**tile, "num_warps": 8, "num_stages": 3}
 
     torch.manual_seed(0)
     a, sa = quantize_blockwise(torch.randn(200, 300, device=DEVICE), (1, 128))
@@ -174,7 +179,7 @@ def test_triton_gemm_matches_emulated(b_block, transposed_b):
         b, sb = bt.t(), sbt.t()
     else:
         b, sb = quantize_blockwise(torch.randn(136, 300, device=DEVICE), b_block)
-    out = gemm(a, sa, b, sb, b_block, torch.float32)
+    out = gemm(a, sa, b, sb, b_block, torch.float32, config=tile)
     ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
     assert out.shape == (200, 136)
     assert sqnr_db(ref, out) > ACCUMULATION_DB

@@ -166,8 +166,15 @@ def gemm_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
         b = tl.load(b_ptr + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
         a_s = tl.load(as_ptr + a_rows * stride_asm + kb * stride_ask)
-        b_s = tl.load(bs_ptr + (b_rows // B_ROWS_PER_SCALE) * stride_bsn + kb * stride_bsk)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        # Hopper waits for each K block's MMA before scaling its product, so the scaling is on the critical path:
+        # one FMA per product (explicit: Triton stops fusing a multiply and an add by default), and where the tile's
+        # columns share one weight scale (128x128 blocks), one scalar instead of a column vector held per thread.
+        if B_ROWS_PER_SCALE % BLOCK_N == 0:
+            b_s = tl.load(bs_ptr + (pid_n * BLOCK_N // B_ROWS_PER_SCALE) * stride_bsn + kb * stride_bsk)
+            acc = tl.fma(tl.dot(a, b), (a_s * b_s)[:, None], acc)
+        else:
+            b_s = tl.load(bs_ptr + (b_rows // B_ROWS_PER_SCALE) * stride_bsn + kb * stride_bsk)
+            acc = tl.fma(tl.dot(a, b), a_s[:, None] * b_s[None, :], acc)
     c = acc.to(c_ptr.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, c, mask=mask)
@@ -261,8 +268,11 @@ def gemm(
     b_scale_inv: torch.Tensor,
     b_block: tuple[int, int],
     out_dtype: torch.dtype,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in 128x128 or 1x128 blocks -> (M, N) in `out_dtype`."""
+    """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in 128x128 or 1x128 blocks -> (M, N) in `out_dtype`.
+    `config` (`BLOCK_M`, `BLOCK_N`, `GROUP_M`, and on a GPU `num_warps`, `num_stages`) runs one kernel config
+    instead of the autotuner's pick (the interpreter's default: 64x64 tiles)."""
     if tuple(b_block) not in ((128, 128), (1, 128)):
         raise ValueError(f"the triton backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}")
     m, k = a.shape
@@ -276,10 +286,12 @@ def gemm(
         c.stride(0), c.stride(1), a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
         b_scale_inv.stride(1), _shape_bucket(m, n, k),
     )  # fmt: skip
-    if _interpreting():
+    if config is None and _interpreting():
         # The interpreter runs one config; autotuning there would only multiply the (slow) interpreted work.
-        grid = (triton.cdiv(m, 64) * triton.cdiv(n, 64),)
-        gemm_kernel[grid](*args, B_ROWS_PER_SCALE=b_block[0], BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4)
+        config = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 4}
+    if config is not None:
+        grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+        gemm_kernel[grid](*args, B_ROWS_PER_SCALE=b_block[0], BLOCK_K=128, **config)
     else:
 
         def grid(meta):
@@ -314,8 +326,8 @@ def grouped_gemm_kernel(
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
         b = tl.load(b_base + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
         a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask)
-        b_s = tl.load(bs_base + (b_rows // 128) * stride_bsn + kb * stride_bsk)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        b_s = tl.load(bs_base + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)  # as in `gemm_kernel`
+        acc = tl.fma(tl.dot(a, b), (a_s * b_s)[:, None], acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask
@@ -345,7 +357,7 @@ def grouped_wgrad_kernel(
         b = tl.load(b_ptr + rows_k[None, :] * stride_bk + t[:, None] * stride_bt)
         a_s = tl.load(as_ptr + rows_n * stride_asn + tb * stride_ast)
         b_s = tl.load(bs_ptr + rows_k * stride_bsk + tb * stride_bst)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        acc = tl.fma(tl.dot(a, b), a_s[:, None] * b_s[None, :], acc)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     c = c_ptr + expert.to(tl.int64) * stride_ce + offs_n[:, None] * stride_cn + offs_k[None, :] * stride_ck
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
