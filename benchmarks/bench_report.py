@@ -44,6 +44,8 @@ def markdown(results) -> str:
                 for n in gemm_names
             )
             lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['bf16_tflops']:.0f} | {cells} |")
+        tuned = results["gemm"][-1].get("triton_autotuned", {})
+        lines += [f"\nAutotuned triton GEMM, {k}: {v}" for k, v in tuned.items()]
     if "linear" in results:
         head = " | ".join(f"{n} ms (ratio, weight cached; dgrad/wgrad dB)" for n in names)
         lines += ["", "(b) FP8Linear forward+backward, all quantization included", "",

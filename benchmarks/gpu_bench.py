@@ -87,6 +87,12 @@ def bench_gemm(device, backends, ms, shapes, iters):
                 row[name] = dict(tflops=flops / t / 1e12, ratio=t_bf16 / t, ratio_1x128_b=t_bf16 / t1,
                                  sqnr_vs_emulated_db=sqnr(oracle, mod.gemm(*operands, torch.float32)))  # fmt: skip
             rows.append(row)
+    if "triton" in backends and device.type == "cuda":
+        from trl_fp8.quant.backends.triton_kernels import gemm_kernel_tuned
+
+        # Which tile won, per (shape bucket, weight-scale rows, dtypes) key: the configs are chosen statically to
+        # spill no registers on SM90; this says which of them Hopper prefers.
+        rows[-1]["triton_autotuned"] = {str(key): str(cfg) for key, cfg in gemm_kernel_tuned.cache.items()}
     return rows
 
 

@@ -1,0 +1,135 @@
+"""What trl-fp8's Triton kernels compile to on Hopper, on any machine: no GPU is needed to compile for SM90 (Triton
+ships `ptxas` and `cuobjdump`), only to run. Per kernel and autotune config: registers per thread, bytes of stack
+(register spills), shared memory, and counts of SASS instructions (the FP8 MMAs, FFMA/FMUL, global loads, spill
+traffic). The static half of a performance check, for the sessions that have no GPU to time the kernels on.
+
+    python benchmarks/sm90_static.py                  # a markdown table of every config
+    python benchmarks/sm90_static.py --json out.json  # and the figures as JSON
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from trl_fp8.quant.backends import triton_kernels as tk
+
+
+SM90 = GPUTarget("cuda", 90, 32)
+SASS_OPS = ("QGMMA", "FFMA", "FMUL", "LDG", "STG", "LDGSTS", "STL", "LDL")
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+# Argument types and the specializations Triton's launcher makes at run time on the training path: unit strides as
+# constants, 16-divisible pointers, sizes and strides (PyTorch's allocations and the multiples of 128 we quantize).
+_GEMM = dict(
+    types=dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32"),
+    ints="M N K stride_am stride_ak stride_bn stride_bk stride_cm stride_cn stride_asm stride_ask stride_bsn "
+    "stride_bsk SHAPE_BUCKET",
+    divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr M N K stride_am stride_bn stride_cm stride_ask",
+)
+_ACT = dict(
+    types=dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", amax_ptr="*fp32"),
+    ints="M K M_Q M_T stride_xm stride_xk stride_sm stride_sk stride_stk stride_stm",
+    divisible="x_ptr q_ptr s_ptr qt_ptr st_ptr M K M_Q M_T stride_xm stride_sk stride_stm",
+)
+
+
+def available() -> tuple[bool, str]:
+    """Whether this Triton can compile for SM90 and read the result back."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False, "TRITON_INTERPRET=1 makes the kernels Python functions: unset it to compile them"
+    missing = [tool for tool in ("ptxas", "cuobjdump") if not (_BIN / tool).exists()]
+    return (False, f"triton {triton.__version__} ships no {', '.join(missing)}") if missing else (True, "")
+
+
+def compile_sm90(fn, spec: dict, constexprs: dict, num_warps: int, num_stages: int):
+    ints = spec["ints"].split()
+    signature = {
+        name: "constexpr" if name in constexprs else spec["types"].get(name, "i32" if name in ints else None)
+        for name in fn.arg_names
+    }
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible"].split()}
+    attrs = {k: v for k, v in attrs.items() if fn.arg_names[k[0]] not in constexprs}
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resources(kernel) -> dict:
+    """Registers, stack bytes, shared memory and SASS instruction counts of a compiled kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([_BIN / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True, text=True)
+        sass = subprocess.run([_BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    out = dict(
+        registers=int(re.search(r"REG:(\d+)", usage.stdout).group(1)),
+        stack_bytes=int(re.search(r"STACK:(\d+)", usage.stdout).group(1)),
+        shared_bytes=kernel.metadata.shared,
+        instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)),
+    )
+    out.update({op: len(re.findall(rf"\b{op}[. ]", sass)) for op in SASS_OPS})
+    return out
+
+
+def gemm_rows(configs=None) -> list[dict]:
+    """`gemm_kernel` for every autotune config, with 128x128 weight scales (fprop, dgrad) and 1x128 (wgrad)."""
+    rows = []
+    for cfg in configs or tk.configs:
+        for b_rows in (128, 1):
+            const = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_asm=1, B_ROWS_PER_SCALE=b_rows, BLOCK_K=128)
+            const["stride_bsk" if b_rows == 128 else "stride_bsn"] = 1  # row-major 128x128, column-major 1x128
+            const.update(cfg.kwargs)
+            kernel = compile_sm90(tk.gemm_kernel, _GEMM, const, cfg.num_warps, cfg.num_stages)
+            name = (
+                f"gemm {cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}, {cfg.num_warps} warps, {cfg.num_stages} stages"
+            )
+            rows.append(dict(kernel=name, weight_scales="128x128" if b_rows == 128 else "1x128", **resources(kernel)))
+    return rows
+
+
+def quantize_rows() -> list[dict]:
+    """`quant_act_kernel` (with Xᵀ) for every autotune config."""
+    rows = []
+    for cfg in tk._ACT_CONFIGS:
+        const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
+        kernel = compile_sm90(tk.quant_act_kernel, _ACT, const, cfg.num_warps, 1)
+        slices = "columns" if cfg.kwargs["T_COLS"] else "rows"
+        name = f"quantize act, {cfg.kwargs['CHUNK']}-{slices} slices, {cfg.num_warps} warps"
+        rows.append(dict(kernel=name, weight_scales="", **resources(kernel)))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["kernel", "weight scales", "registers", "stack bytes", "shared KiB", *SASS_OPS, "SASS instructions"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = [r["kernel"], r["weight_scales"], r["registers"], r["stack_bytes"], f"{r['shared_bytes'] / 1024:.0f}"]
+        cells += [r[op] for op in SASS_OPS] + [r["instructions"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--gemm_only", action="store_true", help="only the GEMM's configs (half the compile time)")
+    args = parser.parse_args()
+    ok, why = available()
+    if not ok:
+        raise SystemExit(why)
+    rows = gemm_rows() + ([] if args.gemm_only else quantize_rows())
+    print(f"SM90 (sm_90a), triton {triton.__version__}; stack bytes > 0 are register spills\n")
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(triton=triton.__version__, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

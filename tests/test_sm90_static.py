@@ -1,0 +1,60 @@
+"""The Triton GEMM compiles for Hopper (SM90) on this CPU machine, and keeps what its code claims there: every
+autotune config runs on FP8 tensor-core MMAs without spilling registers, and a tile within one 128x128 weight block
+scales each K block's products with one FFMA apiece. `benchmarks/sm90_static.py` compiles it in a subprocess:
+the suite interprets the kernels (`TRITON_INTERPRET=1`), which makes them Python functions."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+pytestmark = pytest.mark.skipif(
+    not ((BIN / "ptxas").exists() and (BIN / "cuobjdump").exists()), reason="this triton ships no ptxas/cuobjdump"
+)
+
+
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("sm90") / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "sm90_static.py"), "--gemm_only", "--json", str(out)]
+    env["TRITON_CACHE_DIR"] = str(out.parent / "cache")  # compiled here, not read from an earlier run's cache
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| gemm 128x128, 8 warps" in result.stdout  # the markdown table
+    return json.loads(out.read_text())["rows"]
+
+
+def test_every_gemm_config_runs_fp8_mmas_without_spilling(sm90):
+    from trl_fp8.quant.backends.triton_kernels import configs
+
+    gemms = [r for r in sm90 if r["kernel"].startswith("gemm")]
+    assert len(gemms) == 2 * len(configs)  # each config with 128x128 (fprop, dgrad) and 1x128 (wgrad) weight scales
+    for r in gemms:
+        assert r["QGMMA"] > 0, r  # Hopper's FP8 wgmma, not a fallback
+        assert r["stack_bytes"] == 0 and r["STL"] == 0, r  # no spills: the comment above `configs` says so
+
+
+def test_one_ffma_per_product_within_one_weight_block(sm90):
+    """Per K block each thread scales its share of the tile's products (BLOCK_M x BLOCK_N / threads): one FFMA each,
+    by a per-row scale, where the tile lies within one 128x128 weight block; with 1x128 weight scales (or wider
+    tiles) each product needs its own scale, one FMUL more."""
+    for r in sm90:
+        if not r["kernel"].startswith("gemm"):
+            continue
+        tile, warps = r["kernel"].split(", ")[:2]
+        block_m, block_n = map(int, tile.removeprefix("gemm ").split("x"))
+        per_thread = block_m * block_n // (32 * int(warps.split()[0]))
+        assert r["FFMA"] == per_thread, r
+        if r["weight_scales"] == "128x128" and block_n <= 128:
+            assert r["FMUL"] <= 4, r  # a_s * b_s, once per row held
+        else:
+            assert r["FMUL"] == per_thread, r
