@@ -61,8 +61,15 @@ def compile_sm90(fn, spec: dict, constexprs: dict, num_warps: int, num_stages: i
     return triton.compile(source, target=SM90, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
+    """How many CTAs of a kernel one H100/H200 SM holds at once: 64K registers (allocated per warp in units of 8
+    per thread), 228 KiB of shared memory (1 KiB of it reserved per CTA) and 64 warps."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * num_warps)
+    return min(by_registers, 228 * 1024 // (shared_bytes + 1024), 64 // num_warps)
+
+
 def resources(kernel) -> dict:
-    """Registers, stack bytes, shared memory and SASS instruction counts of a compiled kernel."""
+    """Registers, stack bytes, shared memory, CTAs per SM and SASS instruction counts of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -72,9 +79,11 @@ def resources(kernel) -> dict:
         registers=int(re.search(r"REG:(\d+)", usage.stdout).group(1)),
         stack_bytes=int(re.search(r"STACK:(\d+)", usage.stdout).group(1)),
         shared_bytes=kernel.metadata.shared,
+        ctas_per_sm=0,
         instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)),
     )
     out.update({op: len(re.findall(rf"\b{op}[. ]", sass)) for op in SASS_OPS})
+    out["ctas_per_sm"] = ctas_per_sm(out["registers"], out["shared_bytes"], kernel.metadata.num_warps)
     return out
 
 
@@ -107,10 +116,20 @@ def quantize_rows() -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["kernel", "weight scales", "registers", "stack bytes", "shared KiB", *SASS_OPS, "SASS instructions"]
+    head = [
+        "kernel",
+        "weight scales",
+        "registers",
+        "stack bytes",
+        "shared KiB",
+        "CTAs/SM",
+        *SASS_OPS,
+        "SASS instructions",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
-        cells = [r["kernel"], r["weight_scales"], r["registers"], r["stack_bytes"], f"{r['shared_bytes'] / 1024:.0f}"]
+        cells = [r["kernel"], r["weight_scales"], r["registers"], r["stack_bytes"], f"{r['shared_bytes'] / 1024:.0f}",
+                 r["ctas_per_sm"]]  # fmt: skip
         cells += [r[op] for op in SASS_OPS] + [r["instructions"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

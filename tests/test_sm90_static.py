@@ -41,6 +41,11 @@ def test_every_gemm_config_runs_fp8_mmas_without_spilling(sm90):
     for r in gemms:
         assert r["QGMMA"] > 0, r  # Hopper's FP8 wgmma, not a fallback
         assert r["stack_bytes"] == 0 and r["STL"] == 0, r  # no spills: the comment above `configs` says so
+    # ... nor that the smaller tiles fit two CTAs per SM, for one's scaling to overlap the other's MMAs.
+    small = [
+        r for r in gemms if r["weight_scales"] == "128x128" and ("64x128" in r["kernel"] or "128x64" in r["kernel"])
+    ]
+    assert small and all(r["ctas_per_sm"] == 2 for r in small)
 
 
 def test_one_ffma_per_product_within_one_weight_block(sm90):

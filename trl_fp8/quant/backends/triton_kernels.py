@@ -180,11 +180,12 @@ def gemm_kernel(
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, c, mask=mask)
 
 
-# None of these spills registers on SM90 (compiled without a GPU: `python benchmarks/sm90_static.py`); 128x256 with
-# 8 warps and 128x128 with 4 did, 224-280 bytes of stack per thread.
+# None of these spills registers on SM90 (compiled without a GPU: `python benchmarks/sm90_static.py`; 128x256 with
+# 8 warps and 128x128 with 4 did). The 64x128 and 128x64 tiles fit two CTAs per SM (with 128x128 weight scales), so
+# that one CTA's scaling can overlap the other's MMAs; the autotuner times which wins.
 configs = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3), (64, 128, 4, 4))
+    for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 3))
 ]
 # The token count is M in fprop/dgrad and K in wgrad, and changes every RL step: tuning is keyed on the shape rounded
 # to powers of two (`SHAPE_BUCKET`), so a new batch length does not re-tune.
