@@ -34,6 +34,21 @@ _GEMM = dict(
     "stride_bsk SHAPE_BUCKET",
     divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr M N K stride_am stride_bn stride_cm stride_ask",
 )
+_GROUPED = dict(
+    types=dict(
+        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", tile_expert_ptr="*i32"
+    ),
+    ints="M N K E stride_am stride_ak stride_be stride_bn stride_bk stride_cm stride_cn stride_asm stride_ask "
+    "stride_bse stride_bsn stride_bsk",
+    divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr tile_expert_ptr M N K stride_am stride_be stride_bn stride_cm "
+    "stride_ask stride_bse stride_bsn",
+)
+_GROUPED_WGRAD = dict(
+    types=dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", seg_ptr="*i32"),
+    ints="N K stride_an stride_at stride_bk stride_bt stride_ce stride_cn stride_ck stride_asn stride_ast stride_bsk "
+    "stride_bst",
+    divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr N K stride_an stride_bk stride_ce stride_cn stride_ast stride_bst",
+)
 _ACT = dict(
     types=dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", amax_ptr="*fp32"),
     ints="M K M_Q M_T stride_xm stride_xk stride_sm stride_sk stride_stk stride_stm",
@@ -103,6 +118,23 @@ def gemm_rows(configs=None) -> list[dict]:
     return rows
 
 
+def grouped_rows() -> list[dict]:
+    """The MoE kernels (`grouped_gemm`, `grouped_wgrad`) at the one config they launch with on a GPU."""
+    grouped = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_asm=1, stride_bsk=1, BLOCK_M=128, BLOCK_N=128)
+    wgrad = dict(stride_at=1, stride_bt=1, stride_ck=1, stride_asn=1, stride_bsk=1, BLOCK_N=128, BLOCK_K=128)
+    rows = []
+    for fn, spec, const in (
+        (tk.grouped_gemm_kernel, _GROUPED, grouped),
+        (tk.grouped_wgrad_kernel, _GROUPED_WGRAD, wgrad),
+    ):
+        kernel = compile_sm90(fn, spec, {**const, "BLOCK_K": 128}, num_warps=8, num_stages=3)
+        scales = "128x128" if fn is tk.grouped_gemm_kernel else "1x128"
+        rows.append(
+            dict(kernel=f"{fn.__name__} 128x128, 8 warps, 3 stages", weight_scales=scales, **resources(kernel))
+        )
+    return rows
+
+
 def quantize_rows() -> list[dict]:
     """`quant_act_kernel` (with Xᵀ) for every autotune config."""
     rows = []
@@ -138,12 +170,12 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the figures to this JSON file")
-    parser.add_argument("--gemm_only", action="store_true", help="only the GEMM's configs (half the compile time)")
+    parser.add_argument("--gemm_only", action="store_true", help="only the GEMMs (half the compile time)")
     args = parser.parse_args()
     ok, why = available()
     if not ok:
         raise SystemExit(why)
-    rows = gemm_rows() + ([] if args.gemm_only else quantize_rows())
+    rows = gemm_rows() + grouped_rows() + ([] if args.gemm_only else quantize_rows())
     print(f"SM90 (sm_90a), triton {triton.__version__}; stack bytes > 0 are register spills\n")
     print(markdown(rows))
     if args.json:

@@ -65,3 +65,13 @@ def test_one_ffma_per_product_within_one_weight_block(sm90):
             assert r["FMUL"] <= 4, r  # a_s * b_s, once per row held
         else:
             assert r["FMUL"] == per_thread, r
+
+
+def test_the_moe_kernels_compile_to_fp8_mmas(sm90):
+    """The grouped MoE kernels, written after the only GPU run so far, compile for SM90 at the config they launch
+    with: FP8 wgmma, a few registers spilled at most, and the expert GEMM's weight scale a scalar (one FFMA apiece)."""
+    grouped = {r["kernel"].split()[0]: r for r in sm90 if r["kernel"].startswith("grouped")}
+    assert grouped.keys() == {"grouped_gemm_kernel", "grouped_wgrad_kernel"}
+    for r in grouped.values():
+        assert r["QGMMA"] > 0 and r["stack_bytes"] <= 32 and r["FFMA"] == 64, r  # 128x128 tile, 8 warps
+    assert grouped["grouped_gemm_kernel"]["FMUL"] <= 4 and grouped["grouped_wgrad_kernel"]["FMUL"] == 64
