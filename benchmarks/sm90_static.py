@@ -56,6 +56,13 @@ _ACT = dict(
 )
 
 
+_WEIGHT = dict(
+    types=dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", amax_ptr="*fp32"),
+    ints="N K stride_wn stride_wk KB",
+    divisible="w_ptr q_ptr s_ptr amax_ptr N K stride_wn",
+)
+
+
 def available() -> tuple[bool, str]:
     """Whether this Triton can compile for SM90 and read the result back."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -98,6 +105,7 @@ def resources(kernel) -> dict:
         instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass)),
     )
     out.update({op: len(re.findall(rf"\b{op}[. ]", sass)) for op in SASS_OPS})
+    out["LDG_128"] = len(re.findall(r"\bLDG\.E\.128\b", sass))  # 16-byte vector loads
     out["ctas_per_sm"] = ctas_per_sm(out["registers"], out["shared_bytes"], kernel.metadata.num_warps)
     return out
 
@@ -136,7 +144,7 @@ def grouped_rows() -> list[dict]:
 
 
 def quantize_rows() -> list[dict]:
-    """`quant_act_kernel` (with Xᵀ) for every autotune config."""
+    """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` for every autotune config."""
     rows = []
     for cfg in tk._ACT_CONFIGS:
         const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
@@ -144,6 +152,11 @@ def quantize_rows() -> list[dict]:
         slices = "columns" if cfg.kwargs["T_COLS"] else "rows"
         name = f"quantize act, {cfg.kwargs['CHUNK']}-{slices} slices, {cfg.num_warps} warps"
         rows.append(dict(kernel=name, weight_scales="", **resources(kernel)))
+    for cfg in tk._QUANT_CONFIGS:
+        const = dict(stride_wk=1, POW2=False, BLOCK=128, **cfg.kwargs)
+        kernel = compile_sm90(tk.quant_weight_kernel, _WEIGHT, const, cfg.num_warps, 1)
+        name = f"quantize weight, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
+        rows.append(dict(kernel=name, weight_scales="128x128", **resources(kernel)))
     return rows
 
 
