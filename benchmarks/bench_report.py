@@ -8,6 +8,7 @@ machine may lack matplotlib):
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from step_profile import profile_markdown
@@ -39,7 +40,7 @@ def markdown(results) -> str:
         ]
         for r in results["gemm"]:
             cells = " | ".join(
-                f"{r[n]['tflops']:.0f} ({r[n]['ratio']:.2f}x, {r[n]['ratio_1x128_b']:.2f}x, "
+                f"{r[n]['tflops']:.0f} ({r[n]['ratio']:.2f}x, {r[n].get('ratio_1x128_b', math.nan):.2f}x, "
                 f"{r[n]['sqnr_vs_emulated_db']:.0f})"
                 for n in gemm_names
             )
@@ -52,7 +53,7 @@ def markdown(results) -> str:
                   f"| M | K | N | BF16 ms | {head} |", "|---" * (4 + len(names)) + "|"]  # fmt: skip
         for r in results["linear"]:
             cells = " | ".join(
-                f"{r[n]['ms']:.2f} ({r[n]['ratio']:.2f}x, {r[n]['ratio_weight_cached']:.2f}x; "
+                f"{r[n]['ms']:.2f} ({r[n]['ratio']:.2f}x, {r[n].get('ratio_weight_cached', math.nan):.2f}x; "
                 f"{r[n]['dgrad_sqnr_vs_emulated_db']:.0f}/"
                 f"{r[n]['wgrad_sqnr_vs_emulated_db']:.0f})"
                 for n in names
