@@ -314,6 +314,7 @@ def grouped_gemm_kernel(
 ):  # fmt: skip
     # Rows of A come grouped by expert in 128-aligned segments: every M tile belongs to one expert, whose B it uses.
     # A tile of expert E (none: padding, dropped pairs) skips the K loop and stores zeros.
+    tl.static_assert(128 % BLOCK_N == 0, "a tile's columns must share one 128x128 weight block's scale")
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128).to(tl.int64)
     k_blocks = tl.where(expert < E, tl.cdiv(K, BLOCK_K), 0)
