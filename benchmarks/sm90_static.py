@@ -54,8 +54,6 @@ _ACT = dict(
     ints="M K M_Q M_T stride_xm stride_xk stride_sm stride_sk stride_stk stride_stm",
     divisible="x_ptr q_ptr s_ptr qt_ptr st_ptr M K M_Q M_T stride_xm stride_sk stride_stm",
 )
-
-
 _WEIGHT = dict(
     types=dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", amax_ptr="*fp32"),
     ints="N K stride_wn stride_wk KB",
@@ -72,6 +70,7 @@ def available() -> tuple[bool, str]:
 
 
 def compile_sm90(fn, spec: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """`fn` compiled for sm_90a with these constexprs, its other arguments typed and specialized as `spec` says."""
     ints = spec["ints"].split()
     signature = {
         name: "constexpr" if name in constexprs else spec["types"].get(name, "i32" if name in ints else None)
