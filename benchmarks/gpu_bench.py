@@ -90,8 +90,8 @@ def bench_gemm(device, backends, ms, shapes, iters):
     if "triton" in backends and device.type == "cuda":
         from trl_fp8.quant.backends.triton_kernels import gemm_kernel_tuned
 
-        # Which tile won, per (shape bucket, weight-scale rows, dtypes) key: the configs are chosen statically to
-        # spill no registers on SM90; this says which of them Hopper prefers.
+        # Which tile won, per (shape bucket, weight-scale rows, dtypes) key: the configs are chosen statically
+        # (`sm90_static.py`: few or no spills, some at two CTAs per SM); this says which of them Hopper prefers.
         rows[-1]["triton_autotuned"] = {str(key): str(cfg) for key, cfg in gemm_kernel_tuned.cache.items()}
     return rows
 

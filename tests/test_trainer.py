@@ -508,6 +508,8 @@ def test_rollout_func_samples_with_the_learners_current_fp8_weights(tmp_path, de
         rollout_func=rollout,
     )
     logs = train_and_check(trainer)
-    assert len(stale) == 3 and stale == [0, 0, 0]
+    assert stale == [0, 0, 0]
     steps = [log for log in logs if "loss" in log]
-    assert all(log["fp8/sync_bytes"] > 0 and log["sampling/token_mult_prob_error"] >= 1.0 for log in steps)
+    # The learner scores the rollout's tokens on the sampler's own FP8 grid: log-probs that were not the engine's
+    # (or were sampled on stale weights) would show here.
+    assert all(log["fp8/sync_bytes"] > 0 and 1.0 <= log["sampling/token_mult_prob_error"] < 1.01 for log in steps)
