@@ -88,7 +88,7 @@ def bench_gemm(device, backends, ms, shapes, iters):
                                  sqnr_vs_emulated_db=sqnr(oracle, mod.gemm(*operands, torch.float32)))  # fmt: skip
             rows.append(row)
     if "triton" in backends and device.type == "cuda":
-        from trl_fp8.quant.backends.triton_kernels import gemm_kernel_tuned
+        from trl_fp8.quant.backends.triton_gemm_kernels import gemm_kernel_tuned
 
         # Which tile won, per (shape bucket, weight-scale rows, dtypes) key: the configs are chosen statically
         # (`sm90_static.py`: few or no spills, some at two CTAs per SM); this says which of them Hopper prefers.

@@ -19,6 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from trl_fp8.quant.backends import triton_gemm_kernels as tg
 from trl_fp8.quant.backends import triton_kernels as tk
 
 
@@ -112,12 +113,12 @@ def resources(kernel) -> dict:
 def gemm_rows(configs=None) -> list[dict]:
     """`gemm_kernel` for every autotune config, with 128x128 weight scales (fprop, dgrad) and 1x128 (wgrad)."""
     rows = []
-    for cfg in configs or tk.configs:
+    for cfg in configs or tg.configs:
         for b_rows in (128, 1):
             const = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_asm=1, B_ROWS_PER_SCALE=b_rows, BLOCK_K=128)
             const["stride_bsk" if b_rows == 128 else "stride_bsn"] = 1  # row-major 128x128, column-major 1x128
             const.update(cfg.kwargs)
-            kernel = compile_sm90(tk.gemm_kernel, _GEMM, const, cfg.num_warps, cfg.num_stages)
+            kernel = compile_sm90(tg.gemm_kernel, _GEMM, const, cfg.num_warps, cfg.num_stages)
             name = (
                 f"gemm {cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}, {cfg.num_warps} warps, {cfg.num_stages} stages"
             )
@@ -131,11 +132,11 @@ def grouped_rows() -> list[dict]:
     wgrad = dict(stride_at=1, stride_bt=1, stride_ck=1, stride_asn=1, stride_bsk=1, BLOCK_N=128, BLOCK_K=128)
     rows = []
     for fn, spec, const in (
-        (tk.grouped_gemm_kernel, _GROUPED, grouped),
-        (tk.grouped_wgrad_kernel, _GROUPED_WGRAD, wgrad),
+        (tg.grouped_gemm_kernel, _GROUPED, grouped),
+        (tg.grouped_wgrad_kernel, _GROUPED_WGRAD, wgrad),
     ):
         kernel = compile_sm90(fn, spec, {**const, "BLOCK_K": 128}, num_warps=8, num_stages=3)
-        scales = "128x128" if fn is tk.grouped_gemm_kernel else "1x128"
+        scales = "128x128" if fn is tg.grouped_gemm_kernel else "1x128"
         rows.append(
             dict(kernel=f"{fn.__name__} 128x128, 8 warps, 3 stages", weight_scales=scales, **resources(kernel))
         )

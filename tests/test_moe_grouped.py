@@ -36,7 +36,7 @@ def test_group_by_expert_layout():
 def test_grouped_gemm_gives_tiles_of_no_expert_zeros():
     """Tiles of no expert (index E) hold dropped pairs, whose rows are real hidden states: their outputs are zeros,
     computed with no expert's weights."""
-    from trl_fp8.quant.backends.triton_kernels import grouped_gemm
+    from trl_fp8.quant.backends.triton_gemm_kernels import grouped_gemm
 
     torch.manual_seed(0)
     xq, xs = quantize_blockwise(torch.randn(256, 128, device=DEVICE), (1, 128))
@@ -86,7 +86,7 @@ def _quantized_operands(m_per_expert, k, n):
 
 
 def test_grouped_kernels_match_the_oracle_expert_by_expert():
-    from trl_fp8.quant.backends.triton_kernels import grouped_gemm, grouped_wgrad
+    from trl_fp8.quant.backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
 
     g, x, w = _quantized_operands([130, 0, 60], k=256, n=384)
     dy = torch.randn(g.rows, 384, device=DEVICE) * (x.abs().sum(1, keepdim=True) > 0)

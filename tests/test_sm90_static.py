@@ -34,7 +34,7 @@ def sm90(tmp_path_factory) -> list[dict]:
 
 
 def test_every_gemm_config_runs_fp8_mmas_without_spilling(sm90):
-    from trl_fp8.quant.backends.triton_kernels import configs
+    from trl_fp8.quant.backends.triton_gemm_kernels import configs
 
     gemms = [r for r in sm90 if r["kernel"].startswith("gemm")]
     assert len(gemms) == 2 * len(configs)  # each config with 128x128 (fprop, dgrad) and 1x128 (wgrad) weight scales

@@ -167,7 +167,7 @@ def test_nonfinite_weight_is_refused_at_the_latest_by_the_next_export():
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
 @pytest.mark.parametrize("transposed_b", [False, True])
 def test_triton_gemm_matches_emulated(b_block, transposed_b, tile):
-    from trl_fp8.quant.backends.triton_kernels import gemm
+    from trl_fp8.quant.backends.triton_gemm_kernels import gemm
 
     if tile is not None and torch.cuda.is_available():
         tile = {**tile, "num_warps": 8, "num_stages": 3}

@@ -4,7 +4,7 @@ Routed (token, k) pairs are copied into one buffer, grouped by expert, each expe
 of 128 rows (zero rows fill the gaps). Then every 128-row tile belongs to one expert, and one pass of the fused
 quantizer over the buffer gives exactly the per-expert quantizations: rows are quantized alone along K, and the
 column-wise (wgrad) blocks of 128 tokens never straddle two experts; the zero rows raise no amax. The GEMMs are the
-grouped Triton kernels of `backends/triton_kernels.py`. Numerically this is the per-expert path of `moe.py`, summed
+grouped Triton kernels of `backends/triton_gemm_kernels.py`. Numerically this is the per-expert path of `moe.py`, summed
 in another order (the tests hold the two together).
 """
 
@@ -64,7 +64,7 @@ class _GroupedFP8Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, w_fp8, w_scale_inv, w_fp8_t, tile_expert, segments, pow2_scales, wgrad):
-        from .backends.triton_kernels import grouped_gemm
+        from .backends.triton_gemm_kernels import grouped_gemm
 
         x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = fast_act(x, pow2_scales, wgrad and weight.requires_grad)
         y = grouped_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, tile_expert, x.dtype)
@@ -79,7 +79,7 @@ class _GroupedFP8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .backends.triton_kernels import grouped_gemm, grouped_wgrad
+        from .backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
 
         w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv, tile_expert, segments = ctx.saved_tensors
         dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = fast_act(

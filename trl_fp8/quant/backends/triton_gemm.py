@@ -1,5 +1,5 @@
 """The `triton` backend: trl-fp8's own block-scaled FP8 GEMM and fused quantization kernels in Triton
-(`triton_kernels.py`), for Hopper GPUs where `F.scaled_mm`'s blockwise kernel is missing or slower. Tested against
+(`triton_gemm_kernels.py`, `triton_kernels.py`), for Hopper GPUs where `F.scaled_mm`'s blockwise kernel is missing or slower. Tested against
 `emulated` on the same FP8 operands."""
 
 import torch
@@ -29,6 +29,6 @@ def gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in `b_block` blocks along K -> (M, N) in `out_dtype`."""
-    from .triton_kernels import gemm as triton_gemm
+    from .triton_gemm_kernels import gemm as triton_gemm
 
     return triton_gemm(a, a_scale_inv, b, b_scale_inv, b_block, out_dtype)
