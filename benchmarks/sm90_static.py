@@ -24,7 +24,7 @@ from trl_fp8.quant.backends import triton_kernels as tk
 
 
 SM90 = GPUTarget("cuda", 90, 32)
-SASS_OPS = ("QGMMA", "FFMA", "FMUL", "LDG", "STG", "LDGSTS", "STL", "LDL")
+SASS_OPS = ("QGMMA", "FFMA", "FMUL", "LDG", "STG", "LDGSTS", "UTMALDG", "STL", "LDL")
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 # Argument types and the specializations Triton's launcher makes at run time on the training path: unit strides as
@@ -32,7 +32,7 @@ _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _GEMM = dict(
     types=dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32"),
     ints="M N K stride_am stride_ak stride_bn stride_bk stride_cm stride_cn stride_asm stride_ask stride_bsn "
-    "stride_bsk SHAPE_BUCKET",
+    "stride_bsk SHAPE_BUCKET TMA_OK",
     divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr M N K stride_am stride_bn stride_cm stride_ask",
 )
 _GROUPED = dict(
@@ -106,6 +106,9 @@ def resources(kernel) -> dict:
     )
     out.update({op: len(re.findall(rf"\b{op}[. ]", sass)) for op in SASS_OPS})
     out["LDG_128"] = len(re.findall(r"\bLDG\.E\.128\b", sass))  # 16-byte vector loads
+    # Warp-specialized: Triton gives each warp group its own code and hands registers to the consumers.
+    out["warp_specialized"] = "USETMAXREG" in sass
+    out["num_warps"] = kernel.metadata.num_warps
     out["ctas_per_sm"] = ctas_per_sm(out["registers"], out["shared_bytes"], kernel.metadata.num_warps)
     return out
 
@@ -121,6 +124,7 @@ def gemm_rows(configs=None) -> list[dict]:
             kernel = compile_sm90(tg.gemm_kernel, _GEMM, const, cfg.num_warps, cfg.num_stages)
             name = (
                 f"gemm {cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}, {cfg.num_warps} warps, {cfg.num_stages} stages"
+                + (f", TMA, warp-specialized ({kernel.metadata.num_warps} warps in all)" if cfg.kwargs["TMA"] else "")
             )
             rows.append(dict(kernel=name, weight_scales="128x128" if b_rows == 128 else "1x128", **resources(kernel)))
     return rows

@@ -1,6 +1,6 @@
 """The Triton GEMM compiles for Hopper (SM90) on this CPU machine, and keeps what its code claims there: every
-autotune config runs on FP8 tensor-core MMAs, spilling no more than a few registers, and a tile within one 128x128
-weight block scales each K block's products with one FFMA apiece. `benchmarks/sm90_static.py` compiles it in a
+autotune config runs on FP8 tensor-core MMAs, spilling no more than a few registers, the TMA configs are
+warp-specialized, and a tile within one 128x128 weight block scales each K block's products with one FFMA apiece. `benchmarks/sm90_static.py` compiles it in a
 subprocess: the suite interprets the kernels (`TRITON_INTERPRET=1`), which makes them Python functions."""
 
 import json
@@ -43,6 +43,10 @@ def test_every_gemm_config_runs_fp8_mmas_without_spilling(sm90):
         # No more than a few registers spilled, as the comment above `configs` says (triton 3.9: none; 3.6 spills
         # 16 bytes in the 128x128 wgrad config; the configs dropped spilled 224-280).
         assert r["stack_bytes"] <= 32, r
+    # The TMA configs are warp-specialized as DeepGEMM is: TMA loads in a producer, two consumer warp groups.
+    tma = [r for r in gemms if "TMA" in r["kernel"]]
+    assert tma and all(r["warp_specialized"] and r["UTMALDG"] > 0 and r["num_warps"] == 12 for r in tma), tma
+    assert not any(r["warp_specialized"] for r in gemms if r not in tma)
     # ... nor that the smaller tiles fit two CTAs per SM, for one's scaling to overlap the other's MMAs.
     small = [
         r for r in gemms if r["weight_scales"] == "128x128" and ("64x128" in r["kernel"] or "128x64" in r["kernel"])
@@ -53,18 +57,20 @@ def test_every_gemm_config_runs_fp8_mmas_without_spilling(sm90):
 def test_one_ffma_per_product_within_one_weight_block(sm90):
     """Per K block each thread scales its share of the tile's products (BLOCK_M x BLOCK_N / threads): one FFMA each,
     by a per-row scale, where the tile lies within one 128x128 weight block; with 1x128 weight scales (or wider
-    tiles) each product needs its own scale, one FMUL more."""
+    tiles) each product needs its own scale, one FMUL more. A warp-specialized kernel holds each consumer warp
+    group's code once: two copies, each thread of the two groups (256) scaling its share."""
     for r in sm90:
         if not r["kernel"].startswith("gemm"):
             continue
         tile, warps = r["kernel"].split(", ")[:2]
         block_m, block_n = map(int, tile.removeprefix("gemm ").split("x"))
-        per_thread = block_m * block_n // (32 * int(warps.split()[0]))
-        assert r["FFMA"] == per_thread, r
+        copies, threads = (2, 256) if r["warp_specialized"] else (1, 32 * int(warps.split()[0]))
+        per_thread = block_m * block_n // threads
+        assert r["FFMA"] == copies * per_thread, r
         if r["weight_scales"] == "128x128" and block_n <= 128:
-            assert r["FMUL"] <= 4, r  # a_s * b_s, once per row held
+            assert r["FMUL"] <= 4 * copies, r  # a_s * b_s, once per row held
         else:
-            assert r["FMUL"] == per_thread, r
+            assert r["FMUL"] == copies * per_thread, r
 
 
 def test_the_moe_kernels_compile_to_fp8_mmas(sm90):

@@ -162,15 +162,23 @@ def test_nonfinite_weight_is_refused_at_the_latest_by_the_next_export():
             module.quantized_weight()
 
 
-# 64-wide tiles share one weight scale per K block (a scalar in the kernel), 256-wide tiles span two (a vector).
-@pytest.mark.parametrize("tile", [None, {"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 4}], ids=["default", "wide"])
+# 64-wide tiles share one weight scale per K block (a scalar in the kernel), 256-wide tiles span two (a vector); the
+# TMA tile reads A and B by tensor descriptors (zero-filled beyond M, N and K), warp-specialized on a GPU.
+TILES = {
+    "default": None,
+    "wide": {"BLOCK_M": 64, "BLOCK_N": 256, "GROUP_M": 4},
+    "tma": {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 4, "TMA": True},
+}
+GPU_TILES = {"wide": dict(num_warps=8, num_stages=3), "tma": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)}
+
+
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
 @pytest.mark.parametrize("transposed_b", [False, True])
 def test_triton_gemm_matches_emulated(b_block, transposed_b, tile):
     from trl_fp8.quant.backends.triton_gemm_kernels import gemm
 
-    if tile is not None and torch.cuda.is_available():
-        tile = {**tile, "num_warps": 8, "num_stages": 3}
+    tile = TILES[tile] and {**TILES[tile], **(GPU_TILES[tile] if torch.cuda.is_available() else {})}
 
     torch.manual_seed(0)
     a, sa = quantize_blockwise(torch.randn(200, 300, device=DEVICE), (1, 128))
@@ -183,6 +191,24 @@ def test_triton_gemm_matches_emulated(b_block, transposed_b, tile):
     ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
     assert out.shape == (200, 136)
     assert sqnr_db(ref, out) > ACCUMULATION_DB
+
+
+def test_triton_gemm_keeps_tma_to_operands_it_can_read():
+    """TMA reads rows at 16-byte aligned addresses: the autotuner drops the TMA configs for operands whose rows are
+    not (K = 300 bytes apart here), and asking for one anyway is an error that says why."""
+    from trl_fp8.quant.backends.triton_gemm_kernels import _prune_configs, _tma_ok, configs, gemm
+
+    a = torch.zeros(200, 300, dtype=torch.float8_e4m3fn, device=DEVICE)
+    b = torch.zeros(136, 300, dtype=torch.float8_e4m3fn, device=DEVICE)
+    a_s, b_s = torch.ones(200, 3, device=DEVICE), torch.ones(2, 3, device=DEVICE)
+    aligned = torch.zeros(200, 304, dtype=torch.float8_e4m3fn, device=DEVICE)
+    assert not _tma_ok(a, b) and _tma_ok(aligned, aligned[:136])
+    assert not _tma_ok(aligned[:, 1:], aligned[:136, 1:])  # rows aligned, base address not
+    assert any(c.kwargs["TMA"] for c in configs)
+    assert _prune_configs(configs, {"TMA_OK": 0}) == [c for c in configs if not c.kwargs["TMA"]]
+    assert _prune_configs(configs, {"TMA_OK": 1}) == configs
+    with pytest.raises(ValueError, match=r"TMA cannot read these operands.*\(300, 1\)"):
+        gemm(a, a_s, b, b_s, (128, 128), torch.float32, config=TILES["tma"])
 
 
 def _linear_pair(weight: torch.Tensor, bias: torch.Tensor, pow2: bool) -> tuple[FP8Linear, FP8Linear]:

@@ -15,10 +15,12 @@ from .triton_kernels import _interpreting
 def gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bsn, stride_bsk, SHAPE_BUCKET,
+    stride_asm, stride_ask, stride_bsn, stride_bsk, SHAPE_BUCKET, TMA_OK,
     B_ROWS_PER_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
+    # TMA_OK (whether A and B meet TMA's 16-byte alignment) is read by the autotuner only: a key, and the pruning of
+    # the TMA configs where it is 0.
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     # Grouped launch order: consecutive programs share B tiles in L2.
@@ -33,11 +35,22 @@ def gemm_kernel(
     # Clamped rows keep every load in bounds without masks on M and N; int64 because M * K passes 2**31.
     a_rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     b_rows = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    if TMA:
+        # DeepGEMM's structure: one producer warp group streams A and B tiles by TMA into shared memory, and two
+        # consumer warp groups each own half the tile's rows, so that while one scales its K block's product the
+        # other's MMA runs (without warp specialization every warp waits on the same MMA). TMA zero-fills beyond M,
+        # N and K, so no masks; the descriptors live in a global scratch from `triton.set_allocator`.
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + offs_k
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
-        b = tl.load(b_ptr + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
+    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=TMA):
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T
+        else:
+            k = kb * BLOCK_K + offs_k
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
+            b = tl.load(b_ptr + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
         a_s = tl.load(as_ptr + a_rows * stride_asm + kb * stride_ask)
         # Hopper waits for each K block's MMA before scaling its product, so the scaling is on the critical path:
         # one FMA per product (explicit: Triton stops fusing a multiply and an add by default), and where the tile's
@@ -57,18 +70,61 @@ def gemm_kernel(
 # 128x256 with 8 warps and 128x128 with 4 spilled 224-280 bytes a thread). The 64x128 and 128x64 tiles fit two CTAs
 # per SM (with 128x128 weight scales), so that one CTA's scaling can overlap the other's MMAs; the autotuner times
 # which wins.
+# The TMA configs are warp-specialized: 4 warps name the producer's group, and Triton adds the two consumer groups
+# (12 warps in all, registers rebalanced to the consumers by `setmaxnreg`); 128x128 is the widest tile whose
+# consumers do not spill.
 configs = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
-    for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 3))
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "TMA": tma}, num_warps=w, num_stages=s)
+    for bm, bn, w, s, tma in (
+        (128, 128, 8, 3, False),
+        (128, 128, 8, 4, False),
+        (64, 128, 8, 4, False),
+        (64, 128, 4, 4, False),
+        (128, 64, 4, 3, False),
+        (128, 128, 4, 3, True),
+        (128, 128, 4, 4, True),
+        (128, 128, 4, 5, True),
+    )
 ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    return [c for c in configs if named_args["TMA_OK"] or not c.kwargs["TMA"]]
+
+
 # The token count is M in fprop/dgrad and K in wgrad, and changes every RL step: tuning is keyed on the shape rounded
 # to powers of two (`SHAPE_BUCKET`), so a new batch length does not re-tune.
-gemm_kernel_tuned = triton.autotune(configs=configs, key=["SHAPE_BUCKET", "B_ROWS_PER_SCALE"])(gemm_kernel)
+gemm_kernel_tuned = triton.autotune(
+    configs=configs,
+    key=["SHAPE_BUCKET", "B_ROWS_PER_SCALE", "TMA_OK"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(gemm_kernel)
 
 
 def _shape_bucket(m: int, n: int, k: int) -> int:
     """One int naming (M, N, K) rounded up to powers of two: log2 values packed 8 bits each."""
     return sum(max(0, (v - 1).bit_length()) << shift for v, shift in ((m, 16), (n, 8), (k, 0)))
+
+
+def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether TMA can read A and B: rows at 16-byte aligned addresses, contiguous along K, on a GPU that has TMA
+    (Hopper and newer; the interpreter emulates it)."""
+    aligned = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+    return aligned and (_interpreting() or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9))
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the caching allocator aligns to 512 bytes
+
+
+def _ensure_allocator() -> None:
+    """The TMA configs write their descriptors to a global scratch that Triton asks an allocator for. Triton keeps
+    it in a context variable, which every thread (autograd's backward threads too) starts without: set ours where
+    none is set, and leave one the user set alone."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def gemm(
@@ -81,24 +137,35 @@ def gemm(
     config: dict | None = None,
 ) -> torch.Tensor:
     """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in 128x128 or 1x128 blocks -> (M, N) in `out_dtype`.
-    `config` (`BLOCK_M`, `BLOCK_N`, `GROUP_M`, and on a GPU `num_warps`, `num_stages`) runs one kernel config
-    instead of the autotuner's pick (the interpreter's default: 64x64 tiles)."""
+    `config` (`BLOCK_M`, `BLOCK_N`, `GROUP_M`, `TMA`, and on a GPU `num_warps`, `num_stages`) runs one kernel config
+    instead of the autotuner's pick (the interpreter's default: 64x64 tiles, no TMA)."""
     if tuple(b_block) not in ((128, 128), (1, 128)):
         raise ValueError(f"the triton backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}")
     m, k = a.shape
     n = b.shape[0]
     if b.stride(1) != 1:
-        # Hopper's FP8 MMA reads both operands K-major; one transposing copy beats a strided load in every tile.
-        b = b.contiguous()
+        # Hopper's FP8 MMA reads both operands K-major; one transposing copy beats a strided load in every tile. Its
+        # rows start 16 bytes apart, so that TMA can read it whatever K is.
+        b = torch.empty((n, -(-k // 16) * 16), dtype=b.dtype, device=b.device)[:, :k].copy_(b)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    tma_ok = _tma_ok(a, b)
     args = (
         a, b, c, a_scale_inv, b_scale_inv, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         c.stride(0), c.stride(1), a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
-        b_scale_inv.stride(1), _shape_bucket(m, n, k),
+        b_scale_inv.stride(1), _shape_bucket(m, n, k), int(tma_ok),
     )  # fmt: skip
     if config is None and _interpreting():
         # The interpreter runs one config; autotuning there would only multiply the (slow) interpreted work.
         config = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 4}
+    if config is not None:
+        config = {"TMA": False, **config}
+        if config["TMA"] and not tma_ok:
+            raise ValueError(
+                f"config TMA=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
+                f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA)"
+            )
+    if tma_ok and not _interpreting():
+        _ensure_allocator()
     if config is not None:
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
         gemm_kernel[grid](*args, B_ROWS_PER_SCALE=b_block[0], BLOCK_K=128, **config)
