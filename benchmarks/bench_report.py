@@ -45,6 +45,11 @@ def markdown(results) -> str:
                 for n in gemm_names
             )
             lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['bf16_tflops']:.0f} | {cells} |")
+        for r in results["gemm"]:
+            for scales, t in r.get("triton", {}).get("autotune_ms", {}).items():
+                lines.append(f"\nTriton autotuning at M, K, N = {r['M']}, {r['K']}, {r['N']}, {scales} B scales: best "
+                             f"plain tile {t.get('plain', math.nan):.3f} ms, best TMA warp-specialized "
+                             f"{t.get('tma', math.nan):.3f} ms")  # fmt: skip
         tuned = results["gemm"][-1].get("triton_autotuned", {})
         lines += [f"\nAutotuned triton GEMM, {k}: {v}" for k, v in tuned.items()]
     if "linear" in results:
@@ -90,9 +95,13 @@ def markdown(results) -> str:
         ]
         for k, v in results["moe"].items():
             notes = ", ".join(
-                f"{a} {b:.2f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items() if a != "ms"
+                f"{a} {b:.2f}" if isinstance(b, float) else f"{a} {b}"
+                for a, b in v.items()
+                if a not in ("ms", "autotuned")
             )
             lines.append(f"| {k} | {v.get('ms', float('nan')):.2f} | {notes} |")
+        for k, v in results["moe"].items():
+            lines += [f"\nAutotuned {k}, {key}: {cfg}" for key, cfg in v.get("autotuned", {}).items()]
     if "profile" in results:
         lines += profile_markdown(results["profile"])
         bound = step_bound(results)

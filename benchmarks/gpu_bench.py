@@ -17,9 +17,11 @@ there.
 """
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
+import math
 import statistics
 import time
 import traceback
@@ -66,6 +68,26 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     return float(20 * torch.log10(ref.norm() / (ref - x).norm().clamp_min(1e-30)))
 
 
+@contextlib.contextmanager
+def _autotuning(backend: str, device, out: dict, label: str):
+    """Where the block tunes the Triton GEMM for a new shape, `out[label]` gets the autotuner's timings (ms, median)
+    of its best plain and its best warp-specialized TMA config: what the TMA configs win or lose, whichever it keeps."""
+    if backend != "triton" or device.type != "cuda":
+        yield
+        return
+    from trl_fp8.quant.backends.triton_gemm_kernels import gemm_kernel_tuned as tuner
+
+    before = len(tuner.cache)
+    yield
+    if len(tuner.cache) == before:
+        return
+    best = {}
+    for cfg, t in (getattr(tuner, "configs_timings", None) or {}).items():
+        kind = "tma" if cfg.kwargs.get("TMA") else "plain"
+        best[kind] = min(best.get(kind, math.inf), t[0] if isinstance(t, (list, tuple)) else t)
+    out[label] = best
+
+
 def bench_gemm(device, backends, ms, shapes, iters):
     rows = []
     for m in ms:
@@ -82,10 +104,15 @@ def bench_gemm(device, backends, ms, shapes, iters):
             qb1, sb1 = quantize_blockwise(b, (1, 128))
             for name, mod in backends.items():
                 operands = (qa, sa, qb, sb, (128, 128))
-                t = timed(partial(mod.gemm, *operands, torch.bfloat16), device, iters=iters)
-                t1 = timed(partial(mod.gemm, qa, sa, qb1, sb1, (1, 128), torch.bfloat16), device, iters=iters)
+                tuning = {}
+                with _autotuning(name, device, tuning, "128x128"):
+                    t = timed(partial(mod.gemm, *operands, torch.bfloat16), device, iters=iters)
+                with _autotuning(name, device, tuning, "1x128"):
+                    t1 = timed(partial(mod.gemm, qa, sa, qb1, sb1, (1, 128), torch.bfloat16), device, iters=iters)
                 row[name] = dict(tflops=flops / t / 1e12, ratio=t_bf16 / t, ratio_1x128_b=t_bf16 / t1,
                                  sqnr_vs_emulated_db=sqnr(oracle, mod.gemm(*operands, torch.float32)))  # fmt: skip
+                if tuning:
+                    row[name]["autotune_ms"] = tuning
             rows.append(row)
     if "triton" in backends and device.type == "cuda":
         from trl_fp8.quant.backends.triton_gemm_kernels import gemm_kernel_tuned
@@ -323,6 +350,13 @@ def bench_moe(device, tokens: int, iters: int, smoke: bool):
     )
     best_bf16 = min(v["ms"] for k, v in out.items() if k.startswith("bf16") and "ms" in v)
     out["fp8 grouped"]["ratio_vs_best_bf16"] = best_bf16 / ms
+    if device.type == "cuda":  # plain or warp-specialized TMA kernel, per GEMM shape
+        from trl_fp8.quant.backends import triton_gemm_kernels as tg
+
+        tuners = {"grouped_gemm": tg.grouped_gemm_kernel_tuned, "grouped_wgrad": tg.grouped_wgrad_kernel_tuned}
+        out["fp8 grouped"]["autotuned"] = {
+            f"{name} {key}": str(cfg) for name, tuner in tuners.items() for key, cfg in tuner.cache.items()
+        }
     return out
 
 

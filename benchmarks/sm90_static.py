@@ -40,14 +40,14 @@ _GROUPED = dict(
         a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", tile_expert_ptr="*i32"
     ),
     ints="M N K E stride_am stride_ak stride_be stride_bn stride_bk stride_cm stride_cn stride_asm stride_ask "
-    "stride_bse stride_bsn stride_bsk",
+    "stride_bse stride_bsn stride_bsk TMA_OK",
     divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr tile_expert_ptr M N K stride_am stride_be stride_bn stride_cm "
     "stride_ask stride_bse stride_bsn",
 )
 _GROUPED_WGRAD = dict(
     types=dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", as_ptr="*fp32", bs_ptr="*fp32", seg_ptr="*i32"),
     ints="N K stride_an stride_at stride_bk stride_bt stride_ce stride_cn stride_ck stride_asn stride_ast stride_bsk "
-    "stride_bst",
+    "stride_bst M TMA_OK",
     divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr N K stride_an stride_bk stride_ce stride_cn stride_ast stride_bst",
 )
 _ACT = dict(
@@ -131,7 +131,7 @@ def gemm_rows(configs=None) -> list[dict]:
 
 
 def grouped_rows() -> list[dict]:
-    """The MoE kernels (`grouped_gemm`, `grouped_wgrad`) at the one config they launch with on a GPU."""
+    """The MoE kernels (`grouped_gemm`, `grouped_wgrad`) at every autotune config (all 128x128 tiles)."""
     grouped = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_asm=1, stride_bsk=1, BLOCK_M=128, BLOCK_N=128)
     wgrad = dict(stride_at=1, stride_bt=1, stride_ck=1, stride_asn=1, stride_bsk=1, BLOCK_N=128, BLOCK_K=128)
     rows = []
@@ -139,11 +139,13 @@ def grouped_rows() -> list[dict]:
         (tg.grouped_gemm_kernel, _GROUPED, grouped),
         (tg.grouped_wgrad_kernel, _GROUPED_WGRAD, wgrad),
     ):
-        kernel = compile_sm90(fn, spec, {**const, "BLOCK_K": 128}, num_warps=8, num_stages=3)
-        scales = "128x128" if fn is tg.grouped_gemm_kernel else "1x128"
-        rows.append(
-            dict(kernel=f"{fn.__name__} 128x128, 8 warps, 3 stages", weight_scales=scales, **resources(kernel))
-        )
+        for cfg in tg.grouped_configs:
+            kernel = compile_sm90(fn, spec, {**const, "BLOCK_K": 128, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+            scales = "128x128" if fn is tg.grouped_gemm_kernel else "1x128"
+            name = f"{fn.__name__} 128x128, {cfg.num_warps} warps, {cfg.num_stages} stages" + (
+                f", TMA, warp-specialized ({kernel.metadata.num_warps} warps in all)" if cfg.kwargs["TMA"] else ""
+            )
+            rows.append(dict(kernel=name, weight_scales=scales, **resources(kernel)))
     return rows
 
 

@@ -85,21 +85,27 @@ def _quantized_operands(m_per_expert, k, n):
     return g, x, w
 
 
-def test_grouped_kernels_match_the_oracle_expert_by_expert():
+# `tma`: the autotuner's pick (the plain kernel in the interpreter), or the warp-specialized TMA kernel, which reads
+# B as one (E * N, K) matrix: with N = 208, a tile's rows past N are the next expert's, to be masked at the store.
+@pytest.mark.parametrize("n", [384, 208])
+@pytest.mark.parametrize("tma", [None, True], ids=["tuned", "tma"])
+def test_grouped_kernels_match_the_oracle_expert_by_expert(tma, n):
     from trl_fp8.quant.backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
 
-    g, x, w = _quantized_operands([130, 0, 60], k=256, n=384)
-    dy = torch.randn(g.rows, 384, device=DEVICE) * (x.abs().sum(1, keepdim=True) > 0)
+    g, x, w = _quantized_operands([130, 0, 60], k=256, n=n)
+    dy = torch.randn(g.rows, n, device=DEVICE) * (x.abs().sum(1, keepdim=True) > 0)
     xq, xs = quantize_blockwise(x, (1, 128))
     wq, ws = quantize_blockwise(w, (128, 128))
     tile_expert, segments = g.tile_expert.to(DEVICE), g.segments.to(DEVICE)
-    y = grouped_gemm(xq, xs, wq, ws, tile_expert, torch.float32)
+    y = grouped_gemm(xq, xs, wq, ws, tile_expert, torch.float32, tma=tma)
     dyq, dys = quantize_blockwise(dy, (1, 128))
     wqt, wst = wq.transpose(1, 2), ws.transpose(1, 2)
-    dx = grouped_gemm(dyq, dys, wqt, wst, tile_expert, torch.float32)
+    dx = grouped_gemm(dyq, dys, wqt, wst, tile_expert, torch.float32, tma=tma)
     dytq, dyts = quantize_blockwise(dy.t(), (1, 128))
     xtq, xts = quantize_blockwise(x.t(), (1, 128))
-    dw = grouped_wgrad(dytq, dyts, xtq, xts, segments, 3, torch.float32)
+    if tma:  # row-major, as the fused quantizer writes them (the reference keeps the transposed views' layout)
+        dytq, xtq = dytq.contiguous(), xtq.contiguous()
+    dw = grouped_wgrad(dytq, dyts, xtq, xts, segments, 3, torch.float32, tma=tma)
     for e in range(3):
         rows = slice(int(g.segments[e]) * 128, int(g.segments[e + 1]) * 128)
         if rows.start == rows.stop:

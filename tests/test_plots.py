@@ -65,3 +65,8 @@ def test_gpu_figure_draws_every_measured_ratio_against_its_target(tmp_path):
     report = markdown(results)
     assert "| 8192 | 4096 | 6144 | 763 | 1031 (1.35x, nanx, 78) | 619 (0.81x, nanx, 78) |" in report
     assert "Targets: torch: gemm >= 1.6x MISSED" in report
+    # Runs since record what the Triton GEMM's TMA configs win or lose in autotuning.
+    results["gemm"][0]["triton"]["autotune_ms"] = {"128x128": {"plain": 0.812, "tma": 0.654}}
+    assert "4096, 6144, 128x128 B scales: best plain tile 0.812 ms, best TMA warp-specialized 0.654 ms" in markdown(
+        results
+    )

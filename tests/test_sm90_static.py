@@ -74,13 +74,22 @@ def test_one_ffma_per_product_within_one_weight_block(sm90):
 
 
 def test_the_moe_kernels_compile_to_fp8_mmas(sm90):
-    """The grouped MoE kernels, written after the only GPU run so far, compile for SM90 at the config they launch
-    with: FP8 wgmma, a few registers spilled at most, and the expert GEMM's weight scale a scalar (one FFMA apiece)."""
-    grouped = {r["kernel"].split()[0]: r for r in sm90 if r["kernel"].startswith("grouped")}
-    assert grouped.keys() == {"grouped_gemm_kernel", "grouped_wgrad_kernel"}
-    for r in grouped.values():
-        assert r["QGMMA"] > 0 and r["stack_bytes"] <= 32 and r["FFMA"] == 64, r  # 128x128 tile, 8 warps
-    assert grouped["grouped_gemm_kernel"]["FMUL"] <= 4 and grouped["grouped_wgrad_kernel"]["FMUL"] == 64
+    """The grouped MoE kernels, written after the only GPU run so far, compile for SM90 at every autotune config: FP8
+    wgmma, a few registers spilled at most, the expert GEMM's weight scale a scalar (one FFMA apiece), and the TMA
+    configs warp-specialized (each consumer group's code once: twice the plain kernel's static counts)."""
+    from trl_fp8.quant.backends.triton_gemm_kernels import grouped_configs
+
+    grouped = [r for r in sm90 if r["kernel"].startswith("grouped")]
+    assert {r["kernel"].split()[0] for r in grouped} == {"grouped_gemm_kernel", "grouped_wgrad_kernel"}
+    assert len(grouped) == 2 * len(grouped_configs)
+    for r in grouped:
+        copies = 2 if r["warp_specialized"] else 1
+        assert r["warp_specialized"] == ("TMA" in r["kernel"]) and (r["UTMALDG"] > 0) == ("TMA" in r["kernel"]), r
+        assert r["QGMMA"] > 0 and r["stack_bytes"] <= 32 and r["FFMA"] == 64 * copies, r  # 128x128 tile, 256 threads
+        if r["kernel"].startswith("grouped_gemm"):
+            assert r["FMUL"] <= 4 * copies, r
+        else:
+            assert r["FMUL"] == 64 * copies, r
 
 
 def test_every_quantizer_config_compiles_for_sm90(sm90):

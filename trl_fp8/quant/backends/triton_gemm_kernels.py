@@ -182,11 +182,13 @@ def gemm(
 def grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, TMA_OK,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     # Rows of A come grouped by expert in 128-aligned segments: every M tile belongs to one expert, whose B it uses.
-    # A tile of expert E (none: padding, dropped pairs) skips the K loop and stores zeros.
+    # A tile of expert E (none: padding, dropped pairs) skips the K loop and stores zeros. With TMA (warp-specialized
+    # as in `gemm_kernel`), B is read as (E * N, K): a tile's rows past N are the next expert's, and their output
+    # columns are masked at the store.
     tl.static_assert(128 % BLOCK_N == 0, "a tile's columns must share one 128x128 weight block's scale")
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128).to(tl.int64)
@@ -198,11 +200,18 @@ def grouped_gemm_kernel(
     b_rows = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     b_base = b_ptr + expert * stride_be
     bs_base = bs_ptr + expert * stride_bse
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [E * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, k_blocks):
-        k = kb * BLOCK_K + offs_k
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
-        b = tl.load(b_base + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
+    for kb in tl.range(0, k_blocks, warp_specialize=TMA):
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = b_desc.load([(expert * N + pid_n * BLOCK_N).to(tl.int32), kb * BLOCK_K]).T
+        else:
+            k = kb * BLOCK_K + offs_k
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak, mask=k[None, :] < K, other=0.0)
+            b = tl.load(b_base + b_rows[None, :] * stride_bn + k[:, None] * stride_bk, mask=k[:, None] < K, other=0.0)
         a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask)
         b_s = tl.load(bs_base + (pid_n * BLOCK_N // 128) * stride_bsn + kb * stride_bsk)  # as in `gemm_kernel`
         acc = tl.fma(tl.dot(a, b), (a_s * b_s)[:, None], acc)
@@ -216,8 +225,8 @@ def grouped_gemm_kernel(
 def grouped_wgrad_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, seg_ptr, N, K,
     stride_an, stride_at, stride_bk, stride_bt, stride_ce, stride_cn, stride_ck,
-    stride_asn, stride_ast, stride_bsk, stride_bst,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_asn, stride_ast, stride_bsk, stride_bst, M, TMA_OK,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     # dW[e] = Aᵀ-segment · Bᵀ-segment over expert e's 128-token blocks [seg[e], seg[e+1]).
     expert, pid = tl.program_id(0), tl.program_id(1)
@@ -228,11 +237,18 @@ def grouped_wgrad_kernel(
     rows_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     rows_k = tl.where(offs_k < K, offs_k, 0).to(tl.int64)
     start, end = tl.load(seg_ptr + expert), tl.load(seg_ptr + expert + 1)
+    if TMA:  # M: the token count, whole 128-blocks
+        a_desc = tl.make_tensor_descriptor(a_ptr, [N, M], [stride_an, 1], [BLOCK_N, 128])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, M], [stride_bk, 1], [BLOCK_K, 128])
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for tb in range(start, end):
-        t = (tb * 128 + tl.arange(0, 128)).to(tl.int64)
-        a = tl.load(a_ptr + rows_n[:, None] * stride_an + t[None, :] * stride_at)
-        b = tl.load(b_ptr + rows_k[None, :] * stride_bk + t[:, None] * stride_bt)
+    for tb in tl.range(start, end, warp_specialize=TMA):
+        if TMA:
+            a = a_desc.load([pid_n * BLOCK_N, tb * 128])
+            b = b_desc.load([pid_k * BLOCK_K, tb * 128]).T
+        else:
+            t = (tb * 128 + tl.arange(0, 128)).to(tl.int64)
+            a = tl.load(a_ptr + rows_n[:, None] * stride_an + t[None, :] * stride_at)
+            b = tl.load(b_ptr + rows_k[None, :] * stride_bk + t[:, None] * stride_bt)
         a_s = tl.load(as_ptr + rows_n * stride_asn + tb * stride_ast)
         b_s = tl.load(bs_ptr + rows_k * stride_bsk + tb * stride_bst)
         acc = tl.fma(tl.dot(a, b), a_s[:, None] * b_s[None, :], acc)
@@ -241,39 +257,83 @@ def grouped_wgrad_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype):
+# The grouped kernels' tiles are 128x128 (a tile of A must lie within one expert's 128-aligned segment); the
+# autotuner picks between the plain kernel and the warp-specialized TMA one, per (N, K): M changes every step.
+grouped_configs = [
+    triton.Config({"TMA": tma}, num_warps=w, num_stages=s) for tma, w, s in ((False, 8, 3), (True, 4, 3), (True, 4, 4))
+]
+_tuned = dict(key=["N", "K", "TMA_OK"], prune_configs_by={"early_config_prune": _prune_configs})
+grouped_gemm_kernel_tuned = triton.autotune(configs=grouped_configs, **_tuned)(grouped_gemm_kernel)
+grouped_wgrad_kernel_tuned = triton.autotune(configs=grouped_configs, **_tuned)(grouped_wgrad_kernel)
+
+
+def _launch_grouped(kernel, tuned, grid, args, tma_ok, tma, blocks, fixed):
+    """One config in the interpreter (64-wide tiles, TMA where asked), else the autotuner's pick; `blocks` names the
+    tile's sizes, `fixed` holds the other constexprs."""
+    if tma and not tma_ok:
+        raise ValueError("tma=True, but TMA cannot read these operands (rows must start at 16-byte aligned addresses)")
+    if _interpreting():
+        kernel[grid(64)](*args, TMA_OK=int(tma_ok), TMA=bool(tma), **dict.fromkeys(blocks, 64), **fixed)
+        return
+    if tma_ok:
+        _ensure_allocator()
+    if tma is None:
+        tuned[grid(128)](*args, TMA_OK=int(tma_ok), **dict.fromkeys(blocks, 128), **fixed)
+    else:
+        options = dict(num_warps=4, num_stages=3) if tma else dict(num_warps=8, num_stages=3)
+        kernel[grid(128)](*args, TMA_OK=int(tma_ok), TMA=tma, **dict.fromkeys(blocks, 128), **fixed, **options)
+
+
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype, tma: bool | None = None):
     """`C[rows of e] = A[rows of e] @ B[e].T` for A (M, K) in 1x128 blocks, grouped by expert in 128-row-aligned
     segments (`tile_expert[i]`: the expert of rows 128i..128i+127, E for rows of none, which get zeros), and B
-    (E, N, K) in 128x128 blocks."""
+    (E, N, K) in 128x128 blocks. `tma` forces the TMA kernel (True) or the plain one (False) instead of the
+    autotuner's pick."""
     m, k = a.shape
     n = b.shape[1]
-    if b.stride(2) != 1:
-        b = b.contiguous()  # K-major for the FP8 MMA
+    if b.stride(2) != 1 or b.stride(0) != n * b.stride(1):
+        b = b.contiguous()  # K-major for the FP8 MMA, experts back to back for TMA
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    block_m, block_n = (64, 64) if _interpreting() else (128, 128)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    grouped_gemm_kernel[grid](
+    args = (
         a, b, c, a_scale_inv, b_scale_inv, tile_expert, m, n, k, b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale_inv.stride(0), a_scale_inv.stride(1),
         b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-        **({} if _interpreting() else {"num_warps": 8, "num_stages": 3}),
     )  # fmt: skip
+    tma_ok = _tma_ok(a, b[0]) and b.shape[0] * n < 2**31
+
+    def grid(block):
+        return (triton.cdiv(m, block), triton.cdiv(n, block))
+
+    _launch_grouped(
+        grouped_gemm_kernel,
+        grouped_gemm_kernel_tuned,
+        grid,
+        args,
+        tma_ok,
+        tma,
+        ("BLOCK_M", "BLOCK_N"),
+        {"BLOCK_K": 128},
+    )
     return c
 
 
-def grouped_wgrad(at, at_scale_inv, bt, bt_scale_inv, segments, num_experts, out_dtype):
+def grouped_wgrad(at, at_scale_inv, bt, bt_scale_inv, segments, num_experts, out_dtype, tma: bool | None = None):
     """`dW[e] = At[:, seg e] @ Bt[:, seg e].T` for At (N, M) and Bt (K, M) in 1x128 blocks along M, expert e's
-    tokens being the 128-blocks `segments[e]:segments[e+1]`. Returns (E, N, K); experts without tokens get zeros."""
+    tokens being the 128-blocks `segments[e]:segments[e+1]`. Returns (E, N, K); experts without tokens get zeros.
+    `tma` as in `grouped_gemm`."""
     n, k = at.shape[0], bt.shape[0]
     c = torch.empty((num_experts, n, k), dtype=out_dtype, device=at.device)
-    block = 64 if _interpreting() else 128
-    grid = (num_experts, triton.cdiv(n, block) * triton.cdiv(k, block))
-    grouped_wgrad_kernel[grid](
+    args = (
         at, bt, c, at_scale_inv, bt_scale_inv, segments, n, k,
         at.stride(0), at.stride(1), bt.stride(0), bt.stride(1), c.stride(0), c.stride(1), c.stride(2),
-        at_scale_inv.stride(0), at_scale_inv.stride(1), bt_scale_inv.stride(0), bt_scale_inv.stride(1),
-        BLOCK_N=block, BLOCK_K=block, **({} if _interpreting() else {"num_warps": 8, "num_stages": 3}),
+        at_scale_inv.stride(0), at_scale_inv.stride(1), bt_scale_inv.stride(0), bt_scale_inv.stride(1), at.shape[1],
     )  # fmt: skip
+
+    def grid(block):
+        return (num_experts, triton.cdiv(n, block) * triton.cdiv(k, block))
+
+    _launch_grouped(
+        grouped_wgrad_kernel, grouped_wgrad_kernel_tuned, grid, args, _tma_ok(at, bt), tma, ("BLOCK_N", "BLOCK_K"), {}
+    )
     return c
