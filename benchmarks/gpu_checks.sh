@@ -17,12 +17,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/env.txt"
 # (tests/test_blockwise.py is left to CPU CI: it tests the reference alone, and its property tests need hypothesis,
 # which the device lacks; a test file that cannot be collected fails alone, not the whole run.)
-timeout 210 python3 -m pytest -q -p no:cacheprovider -rs --continue-on-collection-errors \
+timeout 250 python3 -m pytest -q -p no:cacheprovider -rs --durations=10 --continue-on-collection-errors \
   tests/test_triton_kernels.py tests/test_moe_grouped.py tests/test_linear.py tests/test_torch_backend.py \
   tests/test_siblings.py tests/test_te_backend.py \
   2>&1 | tee "$out/pytest.log" | tail -30
 tests=${PIPESTATUS[0]}
-timeout 340 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 270 "$@" 2>&1 | tee "$out/bench.log" | tail -80
+timeout 310 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 250 "$@" 2>&1 | tee "$out/bench.log" | tail -80
 bench=${PIPESTATUS[0]}
 echo "gpu_checks: pytest exit $tests, gpu_bench exit $bench (124: timed out)" | tee -a "$out/env.txt"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]
