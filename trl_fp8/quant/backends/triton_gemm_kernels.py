@@ -89,16 +89,27 @@ configs = [
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    return [c for c in configs if named_args["TMA_OK"] or not c.kwargs["TMA"]]
+    """The TMA configs only for operands TMA can read (`TMA_OK`). Triton's CPU interpreter cannot time kernels: there
+    the first config left runs, through the autotuner all the same (so the tests run the tuned launches)."""
+    keep = [c for c in configs if named_args["TMA_OK"] or not c.kwargs["TMA"]]
+    return keep[:1] if _interpreting() else keep
+
+
+def _untimed(kernel_call, quantiles):
+    return [0.0] * len(quantiles)  # triton < 3.9 times even a single config left; the interpreter cannot
+
+
+# Read when Triton reads TRITON_INTERPRET itself: as the kernels are decorated.
+_AUTOTUNE = dict(
+    prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_untimed if _interpreting() else None
+)
 
 
 # The token count is M in fprop/dgrad and K in wgrad, and changes every RL step: tuning is keyed on the shape rounded
 # to powers of two (`SHAPE_BUCKET`), so a new batch length does not re-tune.
-gemm_kernel_tuned = triton.autotune(
-    configs=configs,
-    key=["SHAPE_BUCKET", "B_ROWS_PER_SCALE", "TMA_OK"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)(gemm_kernel)
+gemm_kernel_tuned = triton.autotune(configs=configs, key=["SHAPE_BUCKET", "B_ROWS_PER_SCALE", "TMA_OK"], **_AUTOTUNE)(
+    gemm_kernel
+)
 
 
 def _shape_bucket(m: int, n: int, k: int) -> int:
@@ -107,10 +118,14 @@ def _shape_bucket(m: int, n: int, k: int) -> int:
 
 
 def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether TMA can read A and B: rows at 16-byte aligned addresses, contiguous along K, on a GPU that has TMA
-    (Hopper and newer; the interpreter emulates it)."""
-    aligned = all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
-    return aligned and (_interpreting() or (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] >= 9))
+    """Whether TMA can read A and B: rows at 16-byte aligned addresses (not broadcast), contiguous along K, on an
+    NVIDIA GPU that has TMA (Hopper and newer; the interpreter emulates it)."""
+    aligned = all(
+        t.stride(1) == 1 and t.stride(0) > 0 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
+    )
+    if _interpreting():
+        return aligned
+    return aligned and a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -138,7 +153,7 @@ def gemm(
 ) -> torch.Tensor:
     """`A @ B.T` for A (M, K) in 1x128 blocks and B (N, K) in 128x128 or 1x128 blocks -> (M, N) in `out_dtype`.
     `config` (`BLOCK_M`, `BLOCK_N`, `GROUP_M`, `TMA`, and on a GPU `num_warps`, `num_stages`) runs one kernel config
-    instead of the autotuner's pick (the interpreter's default: 64x64 tiles, no TMA)."""
+    instead of the autotuner's pick (in the interpreter: the first config, see `_prune_configs`)."""
     if tuple(b_block) not in ((128, 128), (1, 128)):
         raise ValueError(f"the triton backend takes 128x128 or 1x128 blocks for B, got {tuple(b_block)}")
     m, k = a.shape
@@ -154,9 +169,6 @@ def gemm(
         c.stride(0), c.stride(1), a_scale_inv.stride(0), a_scale_inv.stride(1), b_scale_inv.stride(0),
         b_scale_inv.stride(1), _shape_bucket(m, n, k), int(tma_ok),
     )  # fmt: skip
-    if config is None and _interpreting():
-        # The interpreter runs one config; autotuning there would only multiply the (slow) interpreted work.
-        config = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 4}
     if config is not None:
         config = {"TMA": False, **config}
         if config["TMA"] and not tma_ok:
@@ -262,26 +274,26 @@ def grouped_wgrad_kernel(
 grouped_configs = [
     triton.Config({"TMA": tma}, num_warps=w, num_stages=s) for tma, w, s in ((False, 8, 3), (True, 4, 3), (True, 4, 4))
 ]
-_tuned = dict(key=["N", "K", "TMA_OK"], prune_configs_by={"early_config_prune": _prune_configs})
+_tuned = dict(key=["N", "K", "TMA_OK"], **_AUTOTUNE)
 grouped_gemm_kernel_tuned = triton.autotune(configs=grouped_configs, **_tuned)(grouped_gemm_kernel)
 grouped_wgrad_kernel_tuned = triton.autotune(configs=grouped_configs, **_tuned)(grouped_wgrad_kernel)
 
 
-def _launch_grouped(kernel, tuned, grid, args, tma_ok, tma, blocks, fixed):
-    """One config in the interpreter (64-wide tiles, TMA where asked), else the autotuner's pick; `blocks` names the
-    tile's sizes, `fixed` holds the other constexprs."""
+def _launch_grouped(kernel, tuned, grid, args, tma, blocks, fixed):
+    """The autotuner's pick, or with `tma` True/False the TMA/plain kernel (64-wide tiles in the interpreter);
+    `args` end with `TMA_OK`, `blocks` names the tile's sizes, `fixed` holds the other constexprs."""
+    tma_ok = args[-1]
     if tma and not tma_ok:
         raise ValueError("tma=True, but TMA cannot read these operands (rows must start at 16-byte aligned addresses)")
-    if _interpreting():
-        kernel[grid(64)](*args, TMA_OK=int(tma_ok), TMA=bool(tma), **dict.fromkeys(blocks, 64), **fixed)
-        return
-    if tma_ok:
+    if tma_ok and not _interpreting():
         _ensure_allocator()
     if tma is None:
-        tuned[grid(128)](*args, TMA_OK=int(tma_ok), **dict.fromkeys(blocks, 128), **fixed)
+        tuned[grid(128)](*args, **dict.fromkeys(blocks, 128), **fixed)
+    elif _interpreting():
+        kernel[grid(64)](*args, TMA=tma, **dict.fromkeys(blocks, 64), **fixed)
     else:
         options = dict(num_warps=4, num_stages=3) if tma else dict(num_warps=8, num_stages=3)
-        kernel[grid(128)](*args, TMA_OK=int(tma_ok), TMA=tma, **dict.fromkeys(blocks, 128), **fixed, **options)
+        kernel[grid(128)](*args, TMA=tma, **dict.fromkeys(blocks, 128), **fixed, **options)
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype, tma: bool | None = None):
@@ -294,13 +306,13 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype, tma: bo
     if b.stride(2) != 1 or b.stride(0) != n * b.stride(1):
         b = b.contiguous()  # K-major for the FP8 MMA, experts back to back for TMA
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    tma_ok = int(_tma_ok(a, b[0]) and b.shape[0] * n < 2**31)
     args = (
         a, b, c, a_scale_inv, b_scale_inv, tile_expert, m, n, k, b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale_inv.stride(0), a_scale_inv.stride(1),
-        b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2),
+        b_scale_inv.stride(0), b_scale_inv.stride(1), b_scale_inv.stride(2), tma_ok,
     )  # fmt: skip
-    tma_ok = _tma_ok(a, b[0]) and b.shape[0] * n < 2**31
 
     def grid(block):
         return (triton.cdiv(m, block), triton.cdiv(n, block))
@@ -310,7 +322,6 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, tile_expert, out_dtype, tma: bo
         grouped_gemm_kernel_tuned,
         grid,
         args,
-        tma_ok,
         tma,
         ("BLOCK_M", "BLOCK_N"),
         {"BLOCK_K": 128},
@@ -328,12 +339,11 @@ def grouped_wgrad(at, at_scale_inv, bt, bt_scale_inv, segments, num_experts, out
         at, bt, c, at_scale_inv, bt_scale_inv, segments, n, k,
         at.stride(0), at.stride(1), bt.stride(0), bt.stride(1), c.stride(0), c.stride(1), c.stride(2),
         at_scale_inv.stride(0), at_scale_inv.stride(1), bt_scale_inv.stride(0), bt_scale_inv.stride(1), at.shape[1],
+        int(_tma_ok(at, bt)),
     )  # fmt: skip
 
     def grid(block):
         return (num_experts, triton.cdiv(n, block) * triton.cdiv(k, block))
 
-    _launch_grouped(
-        grouped_wgrad_kernel, grouped_wgrad_kernel_tuned, grid, args, _tma_ok(at, bt), tma, ("BLOCK_N", "BLOCK_K"), {}
-    )
+    _launch_grouped(grouped_wgrad_kernel, grouped_wgrad_kernel_tuned, grid, args, tma, ("BLOCK_N", "BLOCK_K"), {})
     return c
