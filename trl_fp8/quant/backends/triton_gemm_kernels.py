@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _interpreting
+from .triton_kernels import _UNTIMED, _interpreting
 
 
 @triton.jit
@@ -95,14 +95,7 @@ def _prune_configs(configs, named_args, **kwargs):
     return keep[:1] if _interpreting() else keep
 
 
-def _untimed(kernel_call, quantiles):
-    return [0.0] * len(quantiles)  # triton < 3.9 times even a single config left; the interpreter cannot
-
-
-# Read when Triton reads TRITON_INTERPRET itself: as the kernels are decorated.
-_AUTOTUNE = dict(
-    prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_untimed if _interpreting() else None
-)
+_AUTOTUNE = dict(prune_configs_by={"early_config_prune": _prune_configs}, **_UNTIMED)
 
 
 # The token count is M in fprop/dgrad and K in wgrad, and changes every RL step: tuning is keyed on the shape rounded

@@ -130,14 +130,41 @@ _QUANT_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _CHUNKS]
 _ACT_CONFIGS = [triton.Config({"CHUNK": c, "T_COLS": False}, num_warps=w) for c, w in _CHUNKS] + [
     triton.Config({"CHUNK": c, "T_COLS": True}, num_warps=w) for c, w in ((32, 4), (32, 8), (64, 8))
 ]
-quant_act_kernel_tuned = triton.autotune(configs=_ACT_CONFIGS, key=["K", "WITH_T"])(quant_act_kernel)
-quant_weight_kernel_tuned = triton.autotune(configs=_QUANT_CONFIGS, key=["K"])(quant_weight_kernel)
-# What Triton's CPU interpreter runs instead of autotuning.
-INTERPRETER_ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _untimed(kernel_call, quantiles):
+    """The interpreter cannot time kernels (and triton < 3.9 times even a single config left): every config ties."""
+    return [0.0] * len(quantiles)
+
+
+def _only_in_interpreter(kwargs: dict):
+    """In the interpreter the autotuner keeps the one config `kwargs` names: the tests run the tuned launches."""
+
+    def prune(configs, named_args, **_):
+        return [c for c in configs if c.kwargs == kwargs] if _interpreting() else configs
+
+    return prune
+
+
+# What Triton's CPU interpreter runs. `_UNTIMED` is read when Triton reads TRITON_INTERPRET: as kernels are decorated.
+INTERPRETER_ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
+_UNTIMED = {"do_bench": _untimed} if _interpreting() else {}
+quant_act_kernel_tuned = triton.autotune(
+    configs=_ACT_CONFIGS,
+    key=["K", "WITH_T"],
+    prune_configs_by={"early_config_prune": _only_in_interpreter(INTERPRETER_ACT_CONFIG)},
+    **_UNTIMED,
+)(quant_act_kernel)
+quant_weight_kernel_tuned = triton.autotune(
+    configs=_QUANT_CONFIGS,
+    key=["K"],
+    prune_configs_by={"early_config_prune": _only_in_interpreter({"CHUNK": 32})},  # ties: the first, 4 warps
+    **_UNTIMED,
+)(quant_weight_kernel)
 
 
 def quantize_act(
@@ -179,8 +206,6 @@ def quantize_act(
         st.stride(0),
         st.stride(1),
     )
-    if config is None and _interpreting():
-        config = INTERPRETER_ACT_CONFIG
     if config is not None:  # one kernel config (`CHUNK`, `T_COLS`) instead of the autotuner's pick
         quant_act_kernel[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
     else:
@@ -196,8 +221,5 @@ def quantize_weight(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torc
     s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     amax = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     args = (w, q, s, amax, n, k, w.stride(0), w.stride(1), kb)
-    if _interpreting():
-        quant_weight_kernel[(nb, kb)](*args, POW2=pow2_scales, BLOCK=128, CHUNK=32)
-    else:
-        quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, BLOCK=128)
+    quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, BLOCK=128)
     return q, s, amax
