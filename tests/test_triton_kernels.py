@@ -260,3 +260,26 @@ def test_fp8_linear_on_triton_backend_matches_emulated_in_bf16(pow2):
         _fprop_dgrad_wgrad(fast, x, dy), _fprop_dgrad_wgrad(slow, x, dy), ("y", "dx", "dw", "db"), strict=True
     ):
         assert sqnr_db(ref, got) > 45, what
+
+
+def test_gpu_bench_reads_the_gemm_autotuner_it_records():
+    """`gpu_bench` records what the Triton GEMM's autotuner timed, on a GPU only: here the interpreter's autotuner
+    (one config, untimed) stands in, so that the recording runs against Triton's real `Autotuner` before a GPU does."""
+    import sys
+    from pathlib import Path
+
+    from trl_fp8.quant.backends.triton_gemm_kernels import gemm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_bench import _autotuning
+
+    a, sa = quantize_blockwise(torch.randn(72, 640, device=DEVICE), (1, 128))  # a shape bucket no other test tunes
+    b, sb = quantize_blockwise(torch.randn(136, 640, device=DEVICE), (128, 128))
+    out = {}
+    with _autotuning("triton", torch.device("cuda"), out, "128x128"):
+        gemm(a, sa, b, sb, (128, 128), torch.float32)
+    with _autotuning("triton", torch.device("cuda"), out, "again"):
+        gemm(a, sa, b, sb, (128, 128), torch.float32)  # tuned already: nothing new to record
+    assert "again" not in out
+    # The interpreter keeps one (plain) config: triton 3.9 does not time it, older versions time it at 0.
+    assert set(out["128x128"]) <= {"plain"} and all(v == 0.0 for v in out["128x128"].values())
