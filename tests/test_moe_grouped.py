@@ -121,6 +121,23 @@ def test_grouped_kernels_match_the_oracle_expert_by_expert(tma, n):
         assert sqnr_db(ref_dx, dx[rows]) > ACCUMULATION_DB and sqnr_db(ref_dw, dw[e]) > ACCUMULATION_DB
 
 
+def test_grouped_kernels_refuse_tma_for_operands_it_cannot_read():
+    """K = 200 bytes between rows: TMA cannot read them, and forcing it is an error giving the strides."""
+    from trl_fp8.quant.backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
+
+    a = torch.zeros(128, 200, dtype=torch.float8_e4m3fn, device=DEVICE)
+    b = torch.zeros(2, 128, 200, dtype=torch.float8_e4m3fn, device=DEVICE)
+    tile_expert = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"TMA cannot read these operands \(A strides \(200, 1\), B strides"):
+        grouped_gemm(a, torch.ones(128, 2, device=DEVICE), b, torch.ones(2, 1, 2, device=DEVICE), tile_expert,
+                     torch.float32, tma=True)  # fmt: skip
+    at = torch.zeros(128, 200, dtype=torch.float8_e4m3fn, device=DEVICE)  # 200 tokens apart
+    segments = torch.tensor([0, 1, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"A strides \(200, 1\), B strides \(200, 1\)"):
+        grouped_wgrad(at, torch.ones(128, 2, device=DEVICE), at, torch.ones(128, 2, device=DEVICE), segments, 2,
+                      torch.float32, tma=True)  # fmt: skip
+
+
 def _tune_kernels(experts, x, top_k_index, top_k_weights):
     """On a GPU, the first call of an autotuned Triton kernel benchmarks its configs, syncing the host on the way:
     one forward+backward of a copy (its own weights, so the module under test still quantizes its own) tunes them

@@ -277,7 +277,11 @@ def _launch_grouped(kernel, tuned, grid, args, tma, blocks, fixed):
     `args` end with `TMA_OK`, `blocks` names the tile's sizes, `fixed` holds the other constexprs."""
     tma_ok = args[-1]
     if tma and not tma_ok:
-        raise ValueError("tma=True, but TMA cannot read these operands (rows must start at 16-byte aligned addresses)")
+        a, b = args[0], args[1]
+        raise ValueError(
+            f"tma=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
+            f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA)"
+        )
     if tma_ok and not _interpreting():
         _ensure_allocator()
     if tma is None:
