@@ -91,6 +91,32 @@ def tiny_grpo_args(output_dir, **overrides):
     return FP8GRPOConfig(**kwargs)
 
 
+def digit_trainer(tmp_path, tokenizer, **args):
+    """A fresh tiny policy learning the digit-count reward on 16 prompts, with `tiny_grpo_args(tmp_path, **args)`."""
+    from trl_fp8 import FP8GRPOTrainer
+    from trl_fp8.demo.task import digit_count_reward, make_dataset
+
+    return FP8GRPOTrainer(
+        model=tiny_policy(tokenizer),
+        reward_funcs=digit_count_reward,
+        args=tiny_grpo_args(tmp_path, **args),
+        train_dataset=make_dataset(16),
+        processing_class=tokenizer,
+    )
+
+
+def train_and_check(trainer):
+    """Trains; every logged loss is finite and every parameter moved. Returns the log history."""
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    for n, p in trainer.model.named_parameters():
+        assert not torch.equal(p, before[n]), f"parameter {n} did not change"
+    return trainer.state.log_history
+
+
 def triton_marks() -> list:
     """Skip marks for tests of the Triton kernels: compiled on a GPU, or run by Triton's CPU interpreter (whose loops
     over runtime ints need triton >= 3.9 with numpy >= 2.4)."""

@@ -1,40 +1,17 @@
 """FP8GRPOTrainer as a drop-in GRPOTrainer: TRL's own test patterns, on a real tiny Llama, a real tokenizer and a
-real `datasets.Dataset`, all built in-process."""
+real `datasets.Dataset`, all built in-process. The sampling engine's side of it: tests/test_reference_engine.py."""
 
 import math
 
 import pytest
 import torch
-from conftest import tiny_grpo_args, tiny_policy
+from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
 from datasets import Dataset
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
-from trl_fp8.generation.reference import ReferenceEngine
-from trl_fp8.quant import FP8Linear, W8A8Linear, iter_fp8_state, quantize_blockwise
-
-
-def digit_trainer(tmp_path, tokenizer, **args) -> FP8GRPOTrainer:
-    """A fresh tiny policy learning the digit-count reward on 16 prompts, with `tiny_grpo_args(tmp_path, **args)`."""
-    return FP8GRPOTrainer(
-        model=tiny_policy(tokenizer),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, **args),
-        train_dataset=make_dataset(16),
-        processing_class=tokenizer,
-    )
-
-
-def train_and_check(trainer):
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    assert trainer.state.log_history[-1]["train_loss"] is not None
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    assert losses and all(torch.isfinite(torch.tensor(losses)))
-    for n, p in trainer.model.named_parameters():
-        assert not torch.equal(p, before[n]), f"parameter {n} did not change"
-    return trainer.state.log_history
+from trl_fp8.quant import FP8Linear, iter_fp8_state
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
@@ -114,70 +91,6 @@ def test_train_conversational_prompts(tmp_path, demo_tokenizer):
     train_and_check(trainer)
 
 
-def test_sampler_holds_the_learners_fp8_weights_bit_for_bit(tmp_path, demo_tokenizer):
-    trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1)
-    trainer.train()  # one optimizer step: the master weights moved
-    trainer.vllm_generation.sync_weights()
-    sampler = trainer.vllm_generation.sampler
-    checked = 0
-    for name, module in trainer.model.named_modules():
-        if isinstance(module, FP8Linear):
-            target = sampler.get_submodule(name)
-            assert isinstance(target, W8A8Linear)
-            q, s = module.quantized_weight()
-            q_ref, s_ref = quantize_blockwise(module.weight.detach(), (128, 128))
-            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), name  # the cache is current
-            assert torch.equal(target.weight.view(torch.uint8), q.view(torch.uint8)), name
-            assert torch.equal(target.weight_scale_inv, s), name
-            checked += 1
-    assert checked == 14
-    assert torch.equal(sampler.lm_head.weight, trainer.model.lm_head.weight.detach())
-
-
-@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
-def test_sampler_follows_the_recipes_scale_rule(tmp_path, demo_tokenizer, pow2):
-    """With pow2 scales the sampler quantizes activations onto powers of two too, as vLLM does under
-    `VLLM_USE_DEEP_GEMM_E8M0=1`, so end-to-end FP8 stays in agreement (token_mult_prob_error 1.02-1.04 here when
-    the sampler kept fp32 activation scales, as far apart as an FP8 sampler behind a high-precision learner)."""
-    trainer = digit_trainer(tmp_path, demo_tokenizer, fp8_recipe={"pow2_scales": pow2})
-    assert all(m.pow2_scales == pow2 for m in trainer.vllm_generation.sampler.modules() if isinstance(m, W8A8Linear))
-    trainer.train()
-    errors = [log["sampling/token_mult_prob_error"] for log in trainer.state.log_history if "loss" in log]
-    assert len(errors) == 2 and max(errors) < 1.005, errors
-
-
-def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
-    """TRL loads models in fp32 and `bf16=True` runs the sampler in bf16: the learner's high-precision tensors are
-    cast into it at each sync (FP8 codes and scales arrive exactly); `generation_kwargs` override the sampling
-    parameters, as in TRL, rather than colliding with them."""
-    model = tiny_policy(demo_tokenizer)
-    assert model.dtype == torch.float32
-    trainer = FP8GRPOTrainer(
-        model=model,
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path, bf16=True, generation_kwargs={"top_k": 5, "max_new_tokens": 3}),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
-    engine = trainer.vllm_generation
-    assert (engine.generation_config.top_k, engine.generation_config.max_new_tokens) == (5, 3)
-    # Completions are cut where generate() stops, also when generation_kwargs name other stop tokens.
-    other_eos = ReferenceEngine(
-        trainer.model, trainer.accelerator, FP8Recipe(), fp8=True, dtype=torch.float32, eos_token_ids=[2],
-        pad_token_id=0, generation_kwargs={"eos_token_id": 7},
-    )  # fmt: skip
-    assert other_eos.eos_token_ids == [7]
-    train_and_check(trainer)
-    engine.sync_weights()
-    sampler, learner = engine.sampler, trainer.model
-    assert sampler.lm_head.weight.dtype == torch.bfloat16
-    assert torch.equal(sampler.lm_head.weight, learner.lm_head.weight.detach().bfloat16())
-    down = learner.model.layers[1].mlp.down_proj
-    q, s = down.quantized_weight()
-    held = sampler.model.layers[1].mlp.down_proj
-    assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(held.weight_scale_inv, s)
-
-
 def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_tokenizer):
     # FP8 sampler, high-precision learner: a real mismatch. A cap just above 1 makes TRL truncate many tokens.
     clip_max = 1.0005
@@ -198,85 +111,6 @@ def test_importance_sampling_is_applied_to_the_engine_logprobs(tmp_path, demo_to
             trainer.model, {**inputs, "importance_sampling_ratio": torch.ones_like(ratio)}
         )
     assert not torch.isclose(loss, loss_without_is)
-
-
-def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer):
-    temperature = 0.7
-    trainer = digit_trainer(tmp_path, demo_tokenizer, temperature=temperature, max_completion_length=6)
-    engine = trainer.vllm_generation
-    engine.sync_weights()
-    prompts = [demo_tokenizer(p)["input_ids"] for p in make_dataset(4)["prompt"]]
-    prompt_ids, completion_ids, logprobs, _ = engine.generate(prompts, None, 1)
-    assert prompt_ids == prompts
-    for prompt, completion, lps in zip(prompts, completion_ids, logprobs, strict=True):
-        assert len(completion) == len(lps) > 0
-        eos = demo_tokenizer.eos_token_id
-        assert eos not in completion[:-1]
-        ids = torch.tensor([prompt + completion])
-        with torch.no_grad():
-            logits = engine.sampler(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-        expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor([lp[0] for lp in lps]), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_tokenizer):
-    trainer = digit_trainer(tmp_path, demo_tokenizer)
-    engine = trainer.vllm_generation
-    engine.sync_weights()
-    before = {k: v.clone() for k, v in engine.sampler.state_dict().items()}
-    pairs = engine.state_stream()
-    pairs = [(n, t * 2 if n.endswith("q_proj.weight_scale_inv") else t) for n, t in pairs]  # valid, would change
-    pairs = [p for p in pairs if not p[0].endswith("layers.1.mlp.up_proj.weight_scale_inv")]  # a scale goes missing
-    from trl_fp8.quant.export import load_state_stream
-
-    with pytest.raises(ValueError, match=r"missing from the stream: model.layers.1.mlp.up_proj.weight_scale_inv"):
-        load_state_stream(engine.sampler, pairs)
-    bad_dtype = [
-        (n, t.float() if n.endswith("layers.0.self_attn.k_proj.weight") else t) for n, t in engine.state_stream()
-    ]
-    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj.weight: got \(128, 256\) torch.float32"):
-        load_state_stream(engine.sampler, bad_dtype)
-    twice = engine.state_stream()
-    twice.append(("model.norm.weight", torch.full_like(dict(twice)["model.norm.weight"], 7.0)))
-    with pytest.raises(ValueError, match=r"model.norm.weight: twice in the stream"):
-        load_state_stream(engine.sampler, iter(twice))  # any iterable, checked whole before anything is copied
-    # A diverged learner: a NaN in a high-precision weight (FP8 weights are checked where they are quantized).
-    with torch.no_grad():
-        trainer.model.model.norm.weight[3] = float("nan")
-    with pytest.raises(ValueError, match=r"NaN, inf or non-positive scales in \['model.norm.weight'\]; nothing was"):
-        engine.sync_weights()
-    for k, v in engine.sampler.state_dict().items():
-        assert torch.equal(
-            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
-            before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k],
-        ), k
-    # An fp16 sampler behind an fp32 learner: a weight past fp16's range would arrive as inf.
-    with torch.no_grad():
-        trainer.model.model.norm.weight[3] = 1.0
-        trainer.model.model.embed_tokens.weight[5, 0] = 1e6
-    fp16 = ReferenceEngine(
-        trainer.model, trainer.accelerator, trainer.args.resolved_fp8_recipe, fp8=True, dtype=torch.float16,
-        eos_token_ids=[demo_tokenizer.eos_token_id], pad_token_id=demo_tokenizer.pad_token_id,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"in \['model.embed_tokens.weight'\]"):
-        fp16.sync_weights()
-
-
-def test_every_generation_samples_with_the_learners_current_weights(tmp_path, demo_tokenizer):
-    """Checked at each generation, across two `train()` calls (the second restarts `global_step`)."""
-    trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1)
-    engine, generate, stale = trainer.vllm_generation, trainer.vllm_generation.generate, []
-
-    def generate_and_check(*args, **kwargs):
-        held = engine.sampler.state_dict()
-        current = [(n, t) for n, t in iter_fp8_state(trainer.model) if n.endswith("_scale_inv")]
-        stale.append(sum(not torch.equal(held[n], t) for n, t in current))
-        return generate(*args, **kwargs)
-
-    engine.generate = generate_and_check
-    trainer.train()
-    trainer.train()
-    assert stale == [0, 0]
 
 
 def test_sync_metrics_measure_the_stream_and_mismatch_metrics_switch_off(tmp_path, demo_tokenizer):
@@ -300,34 +134,6 @@ def test_mismatch_metrics_without_the_correction_run_the_learner(tmp_path, demo_
     trainer.train()
     log = next(log for log in trainer.state.log_history if "loss" in log)
     assert log["sampling/token_mult_prob_error"] > 1.0 and log["sampling/gen_kl"] > 0.0
-
-
-def test_the_engine_refits_only_when_the_learner_changed(tmp_path, demo_tokenizer):
-    trainer = digit_trainer(tmp_path, demo_tokenizer)
-    engine = trainer.vllm_generation
-    engine.sync_weights()
-    engine.last_sync = None
-    engine.sync_weights()  # the same weights: no refit, no KV recalibration
-    assert engine.last_sync is None
-    with torch.no_grad():
-        trainer.model.model.norm.weight.add_(0.1)
-    engine.sync_weights()
-    assert engine.last_sync is not None
-    assert torch.equal(engine.sampler.model.norm.weight, trainer.model.model.norm.weight)
-
-
-def test_completions_keep_their_stop_token(tmp_path, demo_tokenizer):
-    """TRL reads a completion without its stop token as truncated (and masks it under `mask_truncated_completions`):
-    the engine cuts after the stop token, not before. Here every token stops, so each completion is one token."""
-    trainer = digit_trainer(tmp_path, demo_tokenizer)
-    everything = list(range(trainer.model.config.vocab_size))
-    engine = ReferenceEngine(
-        trainer.model, trainer.accelerator, FP8Recipe(), fp8=True, dtype=torch.float32, eos_token_ids=everything,
-        pad_token_id=demo_tokenizer.pad_token_id, max_completion_length=4,
-    )  # fmt: skip
-    engine.sync_weights()
-    _, completions, logprobs, _ = engine.generate([[5, 6, 7]] * 3)
-    assert [len(c) for c in completions] == [1, 1, 1] and [len(lp) for lp in logprobs] == [1, 1, 1]
 
 
 def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_tokenizer):

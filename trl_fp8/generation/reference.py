@@ -57,6 +57,18 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
     return model
 
 
+def cast_head_to_fp32(model: nn.Module) -> None:
+    """What `GRPOConfig.cast_lm_head_to_fp32` does to the learner, done to a sampler: the head's weight in fp32 and
+    its input cast up, so that the sampler's logits, like the learner's, are fp32 products of fp32 weights. A tied
+    embedding (sharing the fp32 weight) keeps handing the layers activations in the model's dtype."""
+    head = model.get_output_embeddings()
+    dtype = head.weight.dtype
+    head.float()
+    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.to(dtype))
+
+
 # generate() arguments the reference engine sets itself, with what to set instead.
 RESERVED_GENERATION_KWARGS = {
     "output_scores": "nothing: the engine returns the sampled tokens' processed log-probs itself",
@@ -116,6 +128,8 @@ class ReferenceEngine(LearnerStream):
             changed.
         kv_scale_percentile (`float`), kv_scale_margin (`float`):
             How scales are derived from the per-token K/V amax (see `trl_fp8.quant.kv_cache`).
+        cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
+            Compute the logits with an fp32 `lm_head`, as `GRPOConfig.cast_lm_head_to_fp32` makes the learner do.
     """
 
     def __init__(
@@ -138,6 +152,7 @@ class ReferenceEngine(LearnerStream):
         kv_cache: bool = False,
         kv_scale_percentile: float = 99.9,
         kv_scale_margin: float = 1.05,
+        cast_lm_head_to_fp32: bool = False,
     ):
         self._init_stream(
             model,
@@ -149,6 +164,8 @@ class ReferenceEngine(LearnerStream):
             kv_scale_margin=kv_scale_margin,
         )
         self.sampler = build_sampler_model(accelerator.unwrap_model(model), recipe, fp8=fp8, dtype=dtype)
+        if cast_lm_head_to_fp32:
+            cast_head_to_fp32(self.sampler)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id
         sampling = dict(
             max_new_tokens=max_completion_length,
