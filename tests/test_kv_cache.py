@@ -273,9 +273,10 @@ def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
         torch.testing.assert_close(torch.tensor([x[0] for x in lp]), full, atol=1e-4, rtol=1e-4)
 
 
-def test_kv_calibration_runs_on_a_slice_of_the_latest_training_batch(tmp_path):
+def test_kv_calibration_runs_on_rows_spread_over_the_latest_training_batch(tmp_path):
     """`fp8_kv_calibration_rows` sequences: of the first batch's prompts before any batch is finished, then of the
-    latest training batch, prompts and completions. An evaluation's batch never replaces them."""
+    latest training batch, prompts and completions. They are spread over the batch, which holds each prompt's
+    generations side by side, so that two rows come from two prompts. An evaluation's batch never replaces them."""
     model, tokenizer = load_demo_model_and_tokenizer()
     trainer = FP8GRPOTrainer(
         model=model,
@@ -288,17 +289,21 @@ def test_kv_calibration_runs_on_a_slice_of_the_latest_training_batch(tmp_path):
     calibrate = engine.calibrate_kv_scales
 
     def recording_calibrate():
-        calibrated_on.append(tuple(engine.calibration_batch[0].shape))
+        calibrated_on.append(engine.calibration_batch[0].clone())
         return calibrate()
 
     engine.calibrate_kv_scales = recording_calibrate
-    batch = [trainer.train_dataset[i] for i in range(4)]
-    prompt_width = len(tokenizer(batch[0]["prompt"])["input_ids"])
+    # As TRL's sampler orders a batch: 2 prompts x 4 generations, each prompt's side by side.
+    batch = [trainer.train_dataset[i] for i in (0, 1) for _ in range(trainer.num_generations)]
+    assert batch[0]["prompt"] != batch[-1]["prompt"]
+    prompts = [tokenizer(batch[i]["prompt"])["input_ids"] for i in (0, -1)]
     trainer.model.train()
     trainer._generate_and_score_completions(batch)
-    assert calibrated_on == [(2, prompt_width)]  # the first sync: two prompts
+    assert [row[-len(p) :].tolist() for row, p in zip(calibrated_on[0], prompts, strict=True)] == prompts
     kept = engine.calibration_batch
-    assert kept[0].shape[0] == 2 and kept[0].shape[1] > prompt_width  # the next: two prompts with completions
+    assert kept[0].shape[0] == 2 and kept[0].shape[1] > max(map(len, prompts))  # prompts with completions
+    for row, mask, prompt in zip(*kept, prompts, strict=True):  # one row from each prompt's group
+        assert row[mask.bool()][: len(prompt)].tolist() == prompt
     trainer.model.eval()
     trainer._generate_and_score_completions(batch)
     assert engine.calibration_batch is kept

@@ -43,7 +43,8 @@ class FP8GRPOConfig(GRPOConfig):
         fp8_kv_scale_margin (`float`, *optional*, defaults to `1.05`):
             Headroom multiplied onto that percentile, so that the policy can drift before values saturate.
         fp8_kv_calibration_rows (`int`, *optional*, defaults to `16`):
-            Sequences of the latest batch (prompt and completion) that the KV recalibration forward runs on.
+            Sequences of the latest batch (prompt and completion) that the KV recalibration forward runs on, spread
+            evenly over the batch so that they come from as many prompts as possible.
         fp8_save_format (`str`, *optional*, defaults to `"bf16"`):
             What `trainer.save_model()` writes: `"bf16"`, the high-precision master weights (a regular checkpoint), or
             `"fp8"`, a block-FP8 checkpoint (the sampler's e4m3 weights + `weight_scale_inv`, with a

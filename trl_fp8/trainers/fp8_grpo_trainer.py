@@ -212,18 +212,17 @@ class FP8GRPOTrainer(GRPOTrainer):
         if kv_cache and engine.calibration_batch is None:
             # The very first KV calibration has no finished batch yet: it uses this batch's prompts.
             prompt_ids = self._tokenize_prompts([x["prompt"] for x in inputs])[0]
-            engine.calibration_batch = left_pad(
-                prompt_ids[: self.args.fp8_kv_calibration_rows], self._tokenizer.pad_token_id
-            )
+            rows = spread_rows(len(prompt_ids), self.args.fp8_kv_calibration_rows)
+            engine.calibration_batch = left_pad([prompt_ids[i] for i in rows], self._tokenizer.pad_token_id)
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if kv_cache and mode == "train":
-            # The next recalibration (after the next optimizer step) runs on a slice of this batch, completions
+            # The next recalibration (after the next optimizer step) runs on rows spread over this batch, completions
             # included (of a training batch: the scales serve the rollouts that train).
-            rows = self.args.fp8_kv_calibration_rows
+            rows = spread_rows(len(output["prompt_ids"]), self.args.fp8_kv_calibration_rows)
             engine.calibration_batch = (
-                torch.cat([output["prompt_ids"][:rows], output["completion_ids"][:rows]], dim=1),
-                torch.cat([output["prompt_mask"][:rows], output["completion_mask"][:rows]], dim=1),
+                torch.cat([output["prompt_ids"][rows], output["completion_ids"][rows]], dim=1),
+                torch.cat([output["prompt_mask"][rows], output["completion_mask"][rows]], dim=1),
             )
         # A constant series whose name says which kernels trained this step (te, torch, triton, emulated).
         self._metrics[mode][f"fp8/backend/{self.fp8_backend}"].append(1.0)
@@ -373,3 +372,9 @@ def learner_backend(policy, recipe) -> str:
     auto_other_block = recipe.backend == "auto" and list(recipe.weight_block_size) != [128, 128]
     name = "emulated" if recipe.backend == "te" or auto_other_block else recipe.backend  # as FP8Linear resolves it
     return resolve_backend(name, device).name
+
+
+def spread_rows(n: int, rows: int) -> list[int]:
+    """`rows` indices spread evenly over a batch of `n`. TRL's batches hold each prompt's generations side by side, so
+    the first rows would be the generations of one or two prompts (with 32 generations, half of one)."""
+    return list(range(n)) if n <= rows else [i * n // rows for i in range(rows)]
