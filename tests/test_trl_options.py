@@ -1,0 +1,57 @@
+"""Drop-in means every GRPOConfig option a user may already have set keeps working: under each, FP8GRPOTrainer trains
+(finite losses, every parameter moves), logs its mismatch metrics, and leaves the sampler holding the learner's FP8
+weights bit for bit. Options with dedicated tests elsewhere (loss types, num_iterations, beta, evaluation,
+conversational prompts, bf16, the KV cache, checkpoints) are not repeated here."""
+
+import pytest
+import torch
+from conftest import tiny_grpo_args, tiny_policy, train_and_check
+
+from trl_fp8 import FP8GRPOTrainer
+from trl_fp8.demo.task import accuracy_reward, digit_count_reward, make_dataset
+from trl_fp8.quant import FP8Linear
+
+
+OPTIONS = {
+    "steps_per_generation": dict(steps_per_generation=2, max_steps=3),
+    "gradient_accumulation": dict(gradient_accumulation_steps=2),
+    "scale_rewards_batch": dict(scale_rewards="batch"),
+    "scale_rewards_none": dict(scale_rewards="none"),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.2),
+    "adaptive_entropy_bonus": dict(use_adaptive_entropy=True, entropy_coef=0.01),
+    "two_sided_clipping": dict(delta=1.5, epsilon_high=0.28),
+    "gspo_sequence_level": dict(importance_sampling_level="sequence"),
+    "is_sequence_truncate": dict(vllm_importance_sampling_mode="sequence_truncate"),
+    "is_token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5),
+    "is_sequence_mask": dict(vllm_importance_sampling_mode="sequence_mask"),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.5),
+    "weighted_rewards": dict(reward_weights=[1.0, 0.5], multi_objective_aggregation="normalize_then_sum"),
+    "log_completions": dict(log_completions=True, num_completions_to_print=2, log_unique_prompts=True),
+    "pad_to_multiple_of": dict(pad_to_multiple_of=64),
+    "gradient_checkpointing": dict(gradient_checkpointing=True, disable_dropout=True),
+    "cosine_schedule_sgd": dict(lr_scheduler_type="cosine", optim="sgd"),
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_trains_in_fp8_under_trl_option(tmp_path, demo_tokenizer, options):
+    rewards = [digit_count_reward, accuracy_reward] if "reward_weights" in options else digit_count_reward
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=rewards,
+        args=tiny_grpo_args(tmp_path, **options),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    logs = train_and_check(trainer)
+    errors = [log["sampling/token_mult_prob_error"] for log in logs if "sampling/token_mult_prob_error" in log]
+    assert errors and max(errors) < 1.01, errors  # end-to-end FP8: sampler and learner on one weight grid
+    engine = trainer.vllm_generation
+    engine.sync_weights()
+    linears = [(name, m) for name, m in trainer.model.named_modules() if isinstance(m, FP8Linear)]
+    assert len(linears) == 14
+    for name, module in linears:
+        q, s = module.quantized_weight()
+        held = engine.sampler.get_submodule(name)
+        assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(held.weight_scale_inv, s), name
