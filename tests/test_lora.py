@@ -1,0 +1,116 @@
+"""FP8 + LoRA numerics: an `FP8LoraLinear` is, bit for bit, an `FP8Linear` holding the merged weight W + s·B·A, and
+its adapters receive that linear's FP8 weight gradient through the merge. On a real tiny Llama wrapped by PEFT."""
+
+import pytest
+import torch
+from conftest import tiny_config_kwargs
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trl_fp8 import FP8Recipe, convert_to_fp8
+from trl_fp8.quant import FP8Linear, quantize_blockwise
+from trl_fp8.quant.lora import FP8LoraLinear, convert_lora_layers, merged_weight
+
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def lora_llama(**lora):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs()))
+    config = LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": TARGETS, "lora_dropout": 0.0, **lora})
+    peft_model = get_peft_model(model, config)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero, which would hide the adapters from every check
+            nn.init.normal_(p, std=0.05)
+    return peft_model
+
+
+def fp8_lora_llama(**lora):
+    peft_model = convert_to_fp8(lora_llama(**lora), FP8Recipe())
+    converted = convert_lora_layers(peft_model)
+    assert len(converted) == 3 * len(TARGETS)
+    return peft_model
+
+
+def merged_fp8_linear(layer: FP8LoraLinear) -> FP8Linear:
+    """The reference: a plain FP8Linear whose (leaf) weight is the merged one."""
+    base = layer.get_base_layer()
+    plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
+    plain.weight = nn.Parameter(merged_weight(layer).detach().clone())
+    return FP8Linear.from_linear(plain)
+
+
+def test_forward_and_backward_are_an_fp8_linear_holding_the_merged_weight():
+    model = fp8_lora_llama()
+    layer = model.base_model.model.model.layers[1].mlp.down_proj
+    assert isinstance(layer, FP8LoraLinear) and isinstance(layer.get_base_layer(), FP8Linear)
+    reference = merged_fp8_linear(layer)
+    x = torch.randn(2, 5, 512, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = layer(x), reference(x_ref)
+    assert torch.equal(y, y_ref)  # the same quantizations, the same GEMM
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert torch.equal(x.grad, x_ref.grad)  # dgrad on Q(W + s·B·A)
+    # The adapters get the FP8 wgrad dW' through the merge: dB = s·dW'·Aᵀ, dA = s·Bᵀ·dW'.
+    dw, s = reference.weight.grad, layer.scaling["default"]
+    lora_a, lora_b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    torch.testing.assert_close(lora_b.grad, s * dw @ lora_a.detach().T, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(lora_a.grad, s * lora_b.detach().T @ dw, rtol=1e-5, atol=1e-7)
+    assert layer.get_base_layer().weight.grad is None  # W is frozen
+
+
+def test_the_sampler_gets_the_quantization_the_layer_computed_with():
+    model = fp8_lora_llama(r=4, use_rslora=True)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    layer(torch.randn(3, 256))
+    q, s = layer.quantized_weight()
+    q_ref, s_ref = quantize_blockwise(merged_weight(layer).detach(), (128, 128))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    assert layer.quantized_weight()[0] is q  # cached until the weights change
+    # An optimizer step on the adapters re-makes it.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1, fused=False)
+    layer(torch.randn(3, 256)).sum().backward()
+    optimizer.step()
+    q2, _ = layer.quantized_weight()
+    q2_ref, _ = quantize_blockwise(merged_weight(layer).detach(), (128, 128))
+    assert q2 is not q and torch.equal(q2.view(torch.uint8), q2_ref.view(torch.uint8))
+    assert not torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_disabled_or_merged_adapters_run_the_fp8_base_layer():
+    model = fp8_lora_llama()
+    layer = model.base_model.model.model.layers[2].self_attn.v_proj
+    base = layer.get_base_layer()
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        with model.disable_adapter():  # TRL's reference log-probs with PEFT
+            assert torch.equal(layer(x), base(x))
+        lora_out = layer(x)
+        assert not torch.equal(lora_out, base(x))
+        # PEFT merges through `weight.data`, unseen by version counters: the base's FP8 cache must still follow.
+        base(x)
+        model.merge_adapter()
+        merged = layer(x)
+        model.unmerge_adapter()
+        assert torch.equal(layer(x), lora_out)
+    assert torch.equal(merged, lora_out)  # Q(W + s·B·A) either way
+
+
+@pytest.mark.parametrize(
+    ("lora", "message"),
+    [
+        (dict(lora_dropout=0.1), r"layers.0.self_attn.q_proj: LoraConfig.lora_dropout must be 0 for FP8 \+ LoRA"),
+        (dict(use_dora=True), r"layers.0.self_attn.q_proj: LoRA variant DoraLinearVariant"),
+        (dict(lora_bias=True), r"layers.0.self_attn.q_proj: LoraConfig.lora_bias is not supported"),
+    ],
+    ids=["dropout", "dora", "lora_bias"],
+)
+def test_adapters_that_cannot_be_merged_are_refused_before_anything_changes(lora, message):
+    model = convert_to_fp8(lora_llama(**lora), FP8Recipe())
+    with pytest.raises(ValueError, match=message):
+        convert_lora_layers(model)
+    assert not any(isinstance(m, FP8LoraLinear) for m in model.modules())
