@@ -20,6 +20,11 @@ Real runs use the same script with a Hub model and dataset, e.g.
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name <dataset> \
         --reward_funcs my_rewards.accuracy --use_cpu false --bf16 true
 
+FP8 + LoRA takes TRL's `ModelConfig` flags, with dropout off (the adapters train on their merged FP8 weight):
+
+    accelerate launch examples/grpo_fp8.py --config recipes/demo_cpu.yaml \
+        --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules all-linear --lora_dropout 0
+
 Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the YAML or overridden on the command line. An override
 replaces the YAML's value whole: `--fp8_recipe '{"pow2_scales": true}'` is that recipe, not the YAML's recipe with
 pow2 scales (repeat the YAML's other recipe fields in it).
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field
 
 from datasets import load_dataset
 from transformers import AutoTokenizer
-from trl import ModelConfig, TrlParser
+from trl import ModelConfig, TrlParser, get_peft_config
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 
@@ -95,6 +100,7 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
             revision=model_args.model_revision,
             trust_remote_code=training_args.trust_remote_code,  # Moonlight's tokenizer is custom code
         ),
+        peft_config=get_peft_config(model_args),
     )
     trainer.train()
     trainer.save_model(training_args.output_dir)

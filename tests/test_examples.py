@@ -63,6 +63,21 @@ def test_demo_runs_through_accelerate_launch(tmp_path):
     assert (tmp_path / "fp8_recipe.json").exists() and (tmp_path / "model.safetensors").exists()
 
 
+def test_the_example_trains_lora_with_trls_model_config_flags(tmp_path, capsys):
+    example = load_example()
+    parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+    args = parser.parse_args_and_config(
+        args=[
+            "--config", str(ROOT / "recipes" / "demo_cpu.yaml"), "--output_dir", str(tmp_path), "--max_steps", "2",
+            "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
+            "--use_peft", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
+        ]
+    )  # fmt: skip
+    example.main(*args)
+    assert "token_mult_prob_error: mean 1.0000" in capsys.readouterr().out  # one FP8 grid with LoRA too
+    assert (tmp_path / "adapter_model.safetensors").exists() and not (tmp_path / "model.safetensors").exists()
+
+
 def test_mismatch_benchmark_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "mismatch.py"), "--quick", "--output_dir", str(tmp_path)]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)

@@ -274,20 +274,6 @@ def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):
         )
 
 
-def test_peft_is_refused_with_a_clear_error(tmp_path, demo_tokenizer):
-    from peft import LoraConfig
-
-    with pytest.raises(NotImplementedError, match="does not support PEFT"):
-        FP8GRPOTrainer(
-            model=tiny_policy(demo_tokenizer),
-            reward_funcs=digit_reward,
-            args=tiny_grpo_args(tmp_path),
-            train_dataset=make_dataset(8),
-            processing_class=demo_tokenizer,
-            peft_config=LoraConfig(target_modules=["q_proj"]),
-        )
-
-
 def test_rollout_func_samples_with_the_learners_current_fp8_weights(tmp_path, demo_tokenizer, monkeypatch):
     """TRL's experimental `rollout_func` replaces TRL's generation call, not its refit: TRL still syncs the engine in
     its slot before every rollout, so a rollout that samples through `trainer.vllm_generation` samples in FP8 with

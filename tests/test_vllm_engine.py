@@ -2,6 +2,7 @@
 refused keys, the version range, vLLM's block-FP8 layout against the export stream, the TP rule, stream validation,
 the refit call sequence); the end-to-end run needs vLLM and a GPU (`-m vllm`)."""
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -218,6 +219,29 @@ def test_export_stream_fills_vllm_block_fp8_parameters(config_cls, model_cls, tp
         assert names[i + 1] == "model.layers.0.self_attn.k_proj.bias"
 
 
+def test_a_lora_learner_configures_and_fills_vllm_as_the_plain_model_does():
+    """vLLM is built from the checkpoint's names: a PEFT-wrapped learner must give it the same `ignored_layers`, the
+    same fused layers and, its adapters starting at B = 0, the very same stream."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_fp8.quant.lora import convert_lora_layers
+
+    plain = _model(LlamaConfig, LlamaForCausalLM, **TP_READY)
+    lora_config = LoraConfig(target_modules="all-linear", lora_dropout=0.0)
+    adapted = get_peft_model(copy.deepcopy(plain), lora_config).get_base_model()
+    recipe = FP8Recipe(num_first_layers_in_bf16=1)
+    assert fp8_llm_kwargs(adapted, recipe) == fp8_llm_kwargs(plain, recipe)
+    assert vllm_linears(adapted, 2) == vllm_linears(plain, 2)
+    convert_to_fp8(plain, recipe)
+    convert_to_fp8(adapted, recipe)
+    assert len(convert_lora_layers(adapted)) == 2 * 7  # layers 1 and 2: the first stays in BF16
+    ours, theirs = list(iter_fp8_state(adapted)), dict(iter_fp8_state(plain))
+    assert sorted(n for n, _ in ours) == sorted(theirs)  # each name once (layer 0's merged BF16 weights come in order)
+    for name, a in ours:
+        b = theirs[name]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
 def test_tp_block_shape_error_names_the_layer():
     model = _model(LlamaConfig, LlamaForCausalLM)  # head_dim 64, 2 KV heads: k/v have 64 rows per rank at TP 2
     assert check_vllm_fp8_layers(model, FP8Recipe(), 1) == []
@@ -418,13 +442,15 @@ def _vllm_ready() -> bool:
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM and a CUDA GPU")
-@pytest.mark.parametrize("kv_cache", [False, True])
-def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache):
+@pytest.mark.parametrize(("kv_cache", "lora"), [(False, False), (True, False), (False, True)], ids=["", "kv", "lora"])
+def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     """Two GRPO steps with colocated vLLM in block FP8 (in a fresh process: one vLLM engine per process). The engine
-    then holds the learner's export bit for bit, the mismatch stays small (< 1.05; < 1.1 with the FP8 KV cache, whose
-    synced K/V/Q scales vLLM must hold), and 50 more syncs leave GPU memory flat."""
+    then holds the learner's export bit for bit (with LoRA: each layer's merged weight), the mismatch stays small
+    (< 1.05; < 1.1 with the FP8 KV cache, whose synced K/V/Q scales vLLM must hold), and 50 more syncs leave GPU
+    memory flat."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_two_steps.py"), str(tmp_path)]
-    result = subprocess.run(cmd + ["--kv_cache"] * kv_cache, capture_output=True, text=True, timeout=1200)
+    cmd += ["--kv_cache"] * kv_cache + ["--lora"] * lora
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["errors"] and max(out["errors"]) < (1.1 if kv_cache else 1.05), out["errors"]

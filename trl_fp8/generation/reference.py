@@ -163,7 +163,7 @@ class ReferenceEngine(LearnerStream):
             kv_scale_percentile=kv_scale_percentile,
             kv_scale_margin=kv_scale_margin,
         )
-        self.sampler = build_sampler_model(accelerator.unwrap_model(model), recipe, fp8=fp8, dtype=dtype)
+        self.sampler = build_sampler_model(self.learner(), recipe, fp8=fp8, dtype=dtype)
         if cast_lm_head_to_fp32:
             cast_head_to_fp32(self.sampler)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id

@@ -11,6 +11,7 @@ from ..quant.blockwise import FP8_DTYPE
 from ..quant.export import iter_fp8_state, iter_hp_state
 from ..quant.kv_cache import KV_SCALE_SUFFIXES, calibrate_kv_scales, check_kv_cache_supported
 from ..quant.linear import weights_epoch
+from ..quant.lora import unwrap_peft
 
 
 def attention_module_names(model: nn.Module) -> list[str]:
@@ -51,26 +52,30 @@ class LearnerStream:
         self, model, accelerator, recipe, *, fp8: bool, kv_cache: bool, kv_scale_percentile: float, kv_scale_margin
     ) -> None:
         if kv_cache:
-            check_kv_cache_supported(accelerator.unwrap_model(model).config)
+            check_kv_cache_supported(unwrap_peft(accelerator.unwrap_model(model)).config)
         self.model, self.accelerator, self.recipe, self.fp8 = model, accelerator, recipe, fp8
         self.kv_cache, self.kv_scale_percentile, self.kv_scale_margin = kv_cache, kv_scale_percentile, kv_scale_margin
         # Set by the trainer: `(input_ids, attention_mask)` of a small slice of the latest batch.
         self.calibration_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.recalibrate = True  # False keeps the first calibration forever (for measuring what stale scales cost)
         self._kv_scale_invs: torch.Tensor | None = None
-        self._attn_names = attention_module_names(accelerator.unwrap_model(model)) if kv_cache else []
+        self._attn_names = attention_module_names(self.learner()) if kv_cache else []
         self._synced_versions: tuple | None = None
         self.last_sync: dict[str, float] | None = None
 
+    def learner(self) -> nn.Module:
+        """The learner as a transformers model, in the checkpoint's module names (no DDP or PEFT wrapper)."""
+        return unwrap_peft(self.accelerator.unwrap_model(self.model))
+
     def learner_changed(self) -> tuple | None:
         """The learner's weight versions if they changed since the last sync (else `None`)."""
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self.learner()
         versions = (weights_epoch(), *(p._version for p in policy.parameters()))
         return None if versions == self._synced_versions else versions
 
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:
         """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self.learner()
         if not self.fp8:
             return list(iter_hp_state(policy))
         # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
@@ -89,7 +94,7 @@ class LearnerStream:
         if self.calibration_batch is None:
             raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
         start = time.perf_counter()
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self.learner()
         ids, mask = (t.to(policy.device) for t in self.calibration_batch)
         scales = calibrate_kv_scales(
             policy.get_decoder(), ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin

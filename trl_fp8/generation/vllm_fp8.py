@@ -243,7 +243,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         if self.mode != "colocate":
             raise ValueError(f"FP8VLLMGeneration runs colocated vLLM only, got vllm_mode={self.mode!r}")
         version = check_vllm_version()
-        policy = self.accelerator.unwrap_model(self.model)
+        policy = self.learner()
         if not getattr(policy, "name_or_path", None):
             raise ValueError(
                 "colocated vLLM reads the model's config from `model.name_or_path`, which is empty: save the model "

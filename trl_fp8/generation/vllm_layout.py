@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..quant.convert import select_fp8_experts, select_fp8_linears
+from ..quant.convert import named_linears, select_fp8_experts, select_fp8_linears
 from ..quant.export import PRE_FUSED, high_precision_modules
 
 
@@ -82,7 +82,7 @@ def _attention_rows(config, tp_size: int) -> dict[str, int]:
 
 def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
     """The linears vLLM builds for `model`'s decoder layers on one rank (fused where vLLM fuses)."""
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    modules = named_linears(model)
     attention = _attention_rows(model.config, tp_size)
     out = []
     for name, module in modules.items():

@@ -64,14 +64,31 @@ def _layer_of(name: str, prefix: str | None) -> int | None:
     return None if match is None else int(match.group(1))
 
 
+def named_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """`model`'s linears under their checkpoint names: a PEFT LoRA layer stands for its base linear (under the
+    LoRA layer's name, where the plain linear was); its adapters, which stay in high precision, are not listed."""
+    from .lora import lora_layers
+
+    adapted = lora_layers(model)
+    inside = tuple(f"{name}." for name in adapted)
+    linears = {}
+    for name, module in model.named_modules():
+        if name.startswith(inside):
+            continue
+        if name in adapted:
+            module = adapted[name].get_base_layer()
+        if isinstance(module, nn.Linear):
+            linears[name] = module
+    return linears
+
+
 def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
-    """Returns `(names to convert, names kept in high precision because of their dims)`, in module order."""
+    """Returns `(names to convert, names kept in high precision because of their dims)`, in module order (checkpoint
+    names: for a PEFT LoRA layer, its own name, standing for its base linear)."""
     prefix, num_layers = decoder_layers(model)
     candidates = []
-    for name, module in model.named_modules():
-        parts = name.split(".")
-        # PEFT adapters (lora_A/lora_B) stay in high precision; their frozen base_layer is converted.
-        if not isinstance(module, nn.Linear) or "lm_head" in parts or any(p.startswith("lora_") for p in parts):
+    for name, module in named_linears(model).items():
+        if "lm_head" in name.split("."):
             continue
         layer = _layer_of(name, prefix)
         if layer is None or _ROUTER_RE.search(name):
@@ -189,6 +206,9 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
+        if not isinstance(module, nn.Linear):  # a PEFT LoRA layer: its base linear is converted, its adapters not
+            parent, child = module, "base_layer"
+            module = module.base_layer
         if isinstance(module, FP8Linear) or is_te_linear(module):
             continue
         if te_linear is not None:

@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .blockwise import quantize_blockwise
-from .convert import is_router, select_fp8_experts, select_fp8_linears
+from .convert import is_router, named_linears, select_fp8_experts, select_fp8_linears
 from .linear import FP8Linear
+from .lora import effective_weight, fp8_weight, lora_layers
 from .moe import FP8Experts, is_fused_experts, iter_expert_pairs
 from .te_linear import is_te_linear
 
@@ -37,8 +38,15 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
         to_quantize = set(select_fp8_linears(model, recipe)[0])
         experts_to_quantize = set(select_fp8_experts(model, recipe)[0])
     done: set[str] = set()
+    adapted = lora_layers(model)
+    inside_adapted = tuple(f"{name}." for name in adapted)  # base layers and adapters: one merged weight each
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
+        if mod_name.startswith(inside_adapted):
+            continue
+        if mod_name in adapted:
+            yield from _adapted_pairs(prefix, module, mod_name in to_quantize, recipe)
+            continue
         if isinstance(module, FP8Experts) or mod_name in experts_to_quantize:
             fused = {}
             for which in ("gate_up_proj", "down_proj"):
@@ -71,9 +79,29 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
             yield f"{prefix}bias", module.bias.detach()
             done.add(f"{prefix}bias")
     for name, param in model.named_parameters():
-        if name not in done:
+        if name not in done and not name.startswith(inside_adapted):
             yield name, param.detach()
     yield from _persistent_buffers(model)
+
+
+def _adapted_pairs(prefix: str, layer, quantize: bool, recipe) -> Iterator[tuple[str, torch.Tensor]]:
+    """A PEFT LoRA layer as the checkpoint's plain linear (`prefix` + `weight`, ...): the weight it computes with,
+    merged, in FP8 when it runs in FP8 (or `quantize`s by the recipe), else in high precision."""
+    pair = fp8_weight(layer)
+    if pair is None and quantize:
+        pair = quantize_blockwise(
+            effective_weight(layer),
+            tuple(recipe.weight_block_size),
+            pow2_scales=recipe.pow2_scales,
+            name=f"{prefix}weight",
+        )
+    if pair is None:
+        yield f"{prefix}weight", effective_weight(layer)
+    else:
+        yield f"{prefix}weight", pair[0]
+        yield f"{prefix}weight_scale_inv", pair[1]
+    if layer.get_base_layer().bias is not None:
+        yield f"{prefix}bias", layer.get_base_layer().bias.detach()
 
 
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,9 +120,17 @@ def stream_nbytes(pairs: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
 
 
 def iter_hp_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The high-precision stream: every parameter and checkpoint buffer as the learner holds it."""
+    """The high-precision stream: every parameter and checkpoint buffer as the learner holds it (a LoRA layer's
+    weight merged, under the plain linear's names)."""
+    adapted = lora_layers(model)
+    inside_adapted = tuple(f"{name}." for name in adapted)
+    for name, layer in adapted.items():
+        yield f"{name}.weight", effective_weight(layer)
+        if layer.get_base_layer().bias is not None:
+            yield f"{name}.bias", layer.get_base_layer().bias.detach()
     for name, param in model.named_parameters():
-        yield name, param.detach()
+        if not name.startswith(inside_adapted):
+            yield name, param.detach()
     yield from _persistent_buffers(model)
 
 
@@ -162,8 +198,12 @@ def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
     FalconLinear; a module fused on disk also by its parts' names), MoE routers whatever their class (vLLM would
     otherwise build some of them in FP8), and the other fused experts."""
     kept = []
+    linears = named_linears(model)
+    inside_adapted = tuple(f"{name}." for name in lora_layers(model))
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name not in fp8:
+        if name.startswith(inside_adapted):
+            continue
+        if name in linears and name not in fp8:
             kept.append(name)
             parent, _, leaf = name.rpartition(".")
             if leaf in PRE_FUSED:

@@ -21,8 +21,10 @@ PEFT's own forward runs, on the FP8 base layer.
 """
 
 import torch
+from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
 from .blockwise import _raise_nonfinite
@@ -39,11 +41,11 @@ def merged_weight(layer: LoraLinear, adapters: list[str] | None = None) -> torch
     return w
 
 
-def check_mergeable(layer: LoraLinear, name: str) -> None:
+def check_mergeable(layer: LoraLinear, name: str, *, allow_dropout: bool = False) -> None:
     """Raises a `ValueError` naming the layer and the LoRA option if `layer`'s adapters cannot be merged into one
-    weight, the precondition of a bit-identical sampler."""
+    weight, what every sampler holds. Dropout only matters to a layer that trains on its merged weight."""
     for adapter in layer.lora_A:
-        if not isinstance(layer.lora_dropout[adapter], nn.Identity):
+        if not allow_dropout and not isinstance(layer.lora_dropout[adapter], nn.Identity):
             raise ValueError(
                 f"{name}: LoraConfig.lora_dropout must be 0 for FP8 + LoRA (adapter {adapter!r}): dropout on the "
                 "adapter's input cannot be merged into the weight that the FP8 learner and sampler share"
@@ -153,14 +155,48 @@ def convert_lora_layers(model: nn.Module) -> list[str]:
     """Re-classes, in place, PEFT's `lora.Linear` layers whose base layer is an `FP8Linear` as `FP8LoraLinear`;
     returns their names. Every adapter layer is checked first, so an unsupported one raises before anything
     changes."""
+    check_peft_supported(model)
     layers = lora_layers(model)
-    for name, m in layers.items():
-        if not isinstance(m, LoraLinear):
-            raise ValueError(f"{name}: {type(m).__name__} adapters are not supported with FP8 (LoRA on linears is)")
-        check_mergeable(m, name)
     converted = []
     for name, m in layers.items():
         if type(m) is LoraLinear and isinstance(m.get_base_layer(), FP8Linear):
             m.__class__ = FP8LoraLinear
             converted.append(name)
     return converted
+
+
+def check_peft_supported(model: nn.Module, *, allow_dropout: bool = False) -> None:
+    """Raises a `ValueError` naming the module if `model` holds PEFT parts the FP8 stream cannot carry: adapters
+    other than LoRA on linears, or LoRA that cannot be merged (see `check_mergeable`), `modules_to_save` /
+    trainable-token wrappers."""
+    for name, m in model.named_modules():
+        if isinstance(m, AuxiliaryTrainingWrapper):
+            raise ValueError(
+                f"{name}: {type(m).__name__} (LoraConfig.modules_to_save / trainable_token_indices) is not supported "
+                "with FP8 yet; train those modules' copies without FP8, or leave them out of the adapter"
+            )
+    for name, m in lora_layers(model).items():
+        if not isinstance(m, LoraLinear):
+            raise ValueError(f"{name}: {type(m).__name__} adapters are not supported with FP8 (LoRA on linears is)")
+        check_mergeable(m, name, allow_dropout=allow_dropout)
+
+
+def effective_weight(layer: LoraLinear) -> torch.Tensor:
+    """The high-precision weight `layer` computes with: W + s·B·A over its active adapters; W alone when they are
+    disabled, or already merged into it."""
+    off = layer.disable_adapters or layer.merged
+    return merged_weight(layer, [] if off else None).detach()
+
+
+def fp8_weight(layer: LoraLinear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(q, scale_inv)` that `layer` computes with if it runs in FP8, else None."""
+    if isinstance(layer, FP8LoraLinear) and layer._fp8_path():
+        return layer.quantized_weight()
+    base = layer.get_base_layer()
+    return base.quantized_weight() if isinstance(base, FP8Linear) else None
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a `PeftModel`, whose module names are the checkpoint's (`model.layers.0...`,
+    the adapter layers where their linears were); any other model as it is."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model

@@ -18,8 +18,10 @@ from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
 from ..quant.kv_cache import check_kv_cache_supported
+from ..quant.lora import check_peft_supported, convert_lora_layers, unwrap_peft
 from ..quant.moe import capture_routing, is_fused_experts
-from ..quant.te_linear import is_te_linear, te_status
+from ..quant.te_linear import is_te_linear
+from .checks import check_backend_runs_here, check_parameters_unsharded, check_peft_config
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -67,11 +69,10 @@ class FP8GRPOTrainer(GRPOTrainer):
                 f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}: replace GRPOConfig(...) by "
                 "FP8GRPOConfig(...) with the same arguments."
             )
-        if kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model)):
-            raise NotImplementedError(
-                "FP8GRPOTrainer does not support PEFT models yet (peft_config / a PeftModel): the FP8 sampler would "
-                "need the merged adapters. Train without PEFT, or use trl.GRPOTrainer."
-            )
+        if kwargs.get("peft_config") is not None:
+            check_peft_config(kwargs["peft_config"], args.fp8_training)
+        if not isinstance(model, str) and is_peft_model(model):
+            check_peft_supported(model, allow_dropout=not args.fp8_training)
         check_parameters_unsharded(args)
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
             check_kv_cache_supported(model.config)
@@ -93,7 +94,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         self.fp8_backend = "none"
         if args.fp8_training:
-            policy = convert_to_fp8(self.accelerator.unwrap_model(self.model), recipe)
+            # With PEFT: the frozen base linears in FP8, each LoRA layer computing with its merged weight in FP8.
+            policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
+            convert_lora_layers(policy)
             if self.ref_model is not None:
                 convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
             self.fp8_backend = learner_backend(policy, recipe)
@@ -190,7 +193,8 @@ class FP8GRPOTrainer(GRPOTrainer):
         if self.args.fp8_save_format != "fp8" or not final:
             return super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
-            save_fp8_checkpoint(self.accelerator.unwrap_model(self.model), output_dir, self.args.resolved_fp8_recipe)
+            policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
+            save_fp8_checkpoint(policy, output_dir, self.args.resolved_fp8_recipe)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
@@ -334,33 +338,6 @@ def _engine_class(engine_class):
         yield
     finally:
         trl_grpo.VLLMGeneration = original
-
-
-def check_parameters_unsharded(args: FP8GRPOConfig) -> None:
-    """Refuses FSDP and DeepSpeed ZeRO-3 at start: each process quantizes and streams whole parameters to its
-    sampler, and does not gather sharded ones (ZeRO-1/2 shard optimizer state only, and work)."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    what = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else None
-    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        what = "FSDP"
-    if what is not None:
-        raise NotImplementedError(
-            f"FP8GRPOTrainer does not support {what} yet: the FP8 weight sync streams whole parameters and does not "
-            "gather sharded ones. Use DeepSpeed ZeRO-2 (examples/accelerate_configs/zero2_8gpu.yaml), as the recipes "
-            "do, or plain data parallelism."
-        )
-
-
-def check_backend_runs_here(recipe, device: torch.device) -> None:
-    """Refuses a backend the training device cannot run before GRPOTrainer loads anything (models, vLLM) and before
-    the user's model is converted: nothing is changed by a failed start."""
-    if recipe.backend == "te":
-        ok, why = te_status()
-        if not (ok and device.type == "cuda"):
-            raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else f'training runs on {device}'}")
-    elif recipe.backend != "auto":
-        resolve_backend(recipe.backend, device)
 
 
 def learner_backend(policy, recipe) -> str:

@@ -1,0 +1,62 @@
+"""What FP8GRPOTrainer refuses at start, before TRL loads or wraps anything: each check raises naming the field or
+setting, so a failed start changes nothing."""
+
+import os
+
+import torch
+
+from ..quant.backends import resolve_backend
+from ..quant.te_linear import te_status
+from .fp8_grpo_config import FP8GRPOConfig
+
+
+# LoraConfig fields whose adapters cannot be merged into the one weight that learner and sampler share in FP8.
+_UNMERGEABLE_LORA = {
+    "lora_dropout": "with fp8_training the adapters train on their merged weight, and dropout on their input "
+    "cannot be merged into it; set lora_dropout=0",
+    "use_dora": "DoRA's magnitude vector is not supported with FP8",
+    "lora_bias": "adapter biases are not supported with FP8",
+    "modules_to_save": "fully trained module copies are not streamed to the FP8 sampler yet",
+    "trainable_token_indices": "trainable tokens are not streamed to the FP8 sampler yet",
+    "target_parameters": "LoRA on bare parameters (MoE experts) is not supported with FP8; target linears",
+}
+
+
+def check_peft_config(peft_config, fp8_training: bool) -> None:
+    """Refuses, before TRL wraps the model, a `peft_config` FP8 + LoRA cannot train (see `trl_fp8.quant.lora`);
+    dropout only with `fp8_training` (a high-precision learner trains with PEFT's own forward)."""
+    from peft import LoraConfig
+
+    if not isinstance(peft_config, LoraConfig):
+        raise ValueError(f"peft_config: FP8GRPOTrainer supports LoraConfig, not {type(peft_config).__name__}")
+    for field, why in _UNMERGEABLE_LORA.items():
+        value = getattr(peft_config, field, None)
+        if value and (fp8_training or field != "lora_dropout"):
+            raise ValueError(f"LoraConfig.{field}={value!r} is not supported by FP8GRPOTrainer: {why}")
+
+
+def check_parameters_unsharded(args: FP8GRPOConfig) -> None:
+    """Refuses FSDP and DeepSpeed ZeRO-3 at start: each process quantizes and streams whole parameters to its
+    sampler, and does not gather sharded ones (ZeRO-1/2 shard optimizer state only, and work)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    what = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else None
+    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        what = "FSDP"
+    if what is not None:
+        raise NotImplementedError(
+            f"FP8GRPOTrainer does not support {what} yet: the FP8 weight sync streams whole parameters and does not "
+            "gather sharded ones. Use DeepSpeed ZeRO-2 (examples/accelerate_configs/zero2_8gpu.yaml), as the recipes "
+            "do, or plain data parallelism."
+        )
+
+
+def check_backend_runs_here(recipe, device: torch.device) -> None:
+    """Refuses a backend the training device cannot run before GRPOTrainer loads anything (models, vLLM) and before
+    the user's model is converted: nothing is changed by a failed start."""
+    if recipe.backend == "te":
+        ok, why = te_status()
+        if not (ok and device.type == "cuda"):
+            raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else f'training runs on {device}'}")
+    elif recipe.backend != "auto":
+        resolve_backend(recipe.backend, device)
