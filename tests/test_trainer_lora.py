@@ -152,3 +152,27 @@ def test_other_peft_methods_and_unmergeable_peft_models_are_refused(tmp_path, de
     peft_model = get_peft_model(tiny_policy(demo_tokenizer), LoraConfig(target_modules=["v_proj"], lora_dropout=0.1))
     with pytest.raises(ValueError, match=r"layers.0.self_attn.v_proj: LoraConfig.lora_dropout must be 0"):
         lora_trainer(tmp_path, demo_tokenizer, model=peft_model)
+
+
+def test_resume_from_an_adapter_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer):
+    """Checkpoints hold the adapters and the optimizer (W is frozen and comes from the model again): resuming
+    re-makes each layer's merged FP8 weight from the loaded adapters and ends where an uninterrupted run ends."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    straight = lora_trainer(tmp_path / "a", demo_tokenizer, max_steps=3)
+    straight.train()
+    first = lora_trainer(tmp_path / "b", demo_tokenizer, max_steps=3, save_strategy="steps", save_steps=2)
+    first.add_callback(StopAt())
+    first.train()
+    assert first.state.global_step == 2
+    resumed = lora_trainer(tmp_path / "b", demo_tokenizer, max_steps=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    ours, theirs = dict(resumed.model.named_parameters()), dict(straight.model.named_parameters())
+    for name, p in theirs.items():
+        torch.testing.assert_close(ours[name], p, rtol=0, atol=0, msg=f"{name} differs after resuming")
+    for name, layer in adapted_layers(resumed).items():
+        assert torch.equal(layer.quantized_weight()[1], adapted_layers(straight)[name].quantized_weight()[1]), name
