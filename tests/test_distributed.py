@@ -14,7 +14,7 @@ from trl_fp8.demo.make_model import build_tokenizer
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_two_steps.py"
 
 
-def test_two_process_ddp_ends_with_identical_weights(tmp_path):
+def run_two_processes(tmp_path, *flags) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     # `--multi_gpu` selects accelerate's torchrun launcher; the script's `use_cpu=True` makes each rank a CPU
     # process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start a single process).
@@ -22,11 +22,15 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch",
         "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--main_process_port", "29517",
-        str(SCRIPT), str(tmp_path),
+        str(SCRIPT), str(tmp_path), *flags,
     ]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_two_process_ddp_ends_with_identical_weights(tmp_path):
+    ranks = run_two_processes(tmp_path)
     assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
     steps = [log for log in ranks[0]["log_history"] if "loss" in log]
     assert len(steps) == 2 and all("sampling/token_mult_prob_error" in log for log in steps)
@@ -49,3 +53,19 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     initial = tiny_policy(build_tokenizer())
     moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach(), ranks[0]["params"][n])]
     assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
+
+
+def test_two_process_ddp_trains_fp8_lora_with_identical_adapters_and_samplers(tmp_path):
+    ranks = run_two_processes(tmp_path, "--lora")
+    params = ranks[0]["params"]
+    assert any("lora_A" in n for n in params)
+    for name, p0 in params.items():
+        assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
+    errors = [log["sampling/token_mult_prob_error"] for log in ranks[0]["log_history"] if "loss" in log]
+    assert len(errors) == 2 and max(errors) < 1.1, errors  # the FP8 KV cache is on: its rounding, not the weights
+    # Every rank's sampler holds the learner's merged FP8 weights, the same on both ranks.
+    sampler, learner = ranks[0]["sampler_fp8"], ranks[0]["learner_fp8"]
+    assert set(learner) <= set(sampler) and any(n.endswith("weight_scale_inv") for n in learner)
+    for name, t in learner.items():
+        assert torch.equal(sampler[name].view(torch.uint8), t.view(torch.uint8)), name
+        assert torch.equal(ranks[1]["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name

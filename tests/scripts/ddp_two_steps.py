@@ -1,25 +1,26 @@
 """Run by tests/test_distributed.py under `accelerate launch --num_processes 2 --cpu`: two FP8 GRPO steps with DDP
 (gloo) and the FP8 KV cache, then each rank writes its final parameters and its sampler's Q/K/V scales to
-`<output_dir>/rank{r}.pt`."""
+`<output_dir>/rank{r}.pt`. With `--lora`, FP8 + LoRA: also the sampler's FP8 weights and the learner's."""
 
 import sys
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
+from peft import LoraConfig
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import tiny_grpo_args, tiny_policy  # noqa: E402
 
-from trl_fp8 import FP8GRPOTrainer  # noqa: E402
+from trl_fp8 import FP8GRPOTrainer, iter_fp8_state  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 
 
-def main(output_dir: str):
+def main(output_dir: str, lora: bool):
     tokenizer = build_tokenizer()
     args = tiny_grpo_args(output_dir, learning_rate=0.05, fp8_kv_cache=True)
     trainer = FP8GRPOTrainer(
@@ -28,6 +29,7 @@ def main(output_dir: str):
         args=args,
         train_dataset=make_dataset(32),
         processing_class=tokenizer,
+        peft_config=LoraConfig(target_modules="all-linear", lora_dropout=0.0) if lora else None,
     )
     trainer.train()
     state = PartialState()
@@ -40,18 +42,22 @@ def main(output_dir: str):
     policy = trainer.accelerator.unwrap_model(trainer.model)
     local = calibrate_kv_scales(policy.get_decoder(), *engine.calibration_batch)
     engine.calibrate_kv_scales()
+    kv_agreed = engine._kv_scale_invs.clone()
+    engine.sync_weights()  # the sampler last synced before the final optimizer step
     torch.save(
         {
             "params": params,
             "kv_scales": kv_scales,
             "kv_local": local,
-            "kv_agreed": engine._kv_scale_invs.clone(),
+            "kv_agreed": kv_agreed,
             "world_size": state.num_processes,
             "log_history": trainer.state.log_history,
+            "sampler_fp8": {n: t.clone() for n, t in engine.sampler.state_dict().items() if "_proj." in n},
+            "learner_fp8": {n: t.clone() for n, t in iter_fp8_state(engine.learner()) if "_proj." in n},
         },
         Path(output_dir) / f"rank{state.process_index}.pt",
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--lora" in sys.argv[2:])
