@@ -40,17 +40,18 @@ METRICS = ("sampling/token_mult_prob_error", "sampling/gen_kl", "sampling/is_oob
 CALIBRATION = "fp8/kv_calibration_seconds"
 
 
-def run(precision: dict, is_mode: dict, seed: int, steps: int, batch: int, output_dir: str) -> list[dict]:
+def demo_trainer(fields: dict, seed: int, steps: int, batch: int, output_dir: str, learning_rate=2e-4, **kwargs):
+    """The CPU demo's trainer with `fields` of FP8GRPOConfig (learning rate: the demo recipe's, recipes/demo_cpu.yaml),
+    printing nothing: the table is the output, per-step dicts go to the JSON file."""
     model, tokenizer = load_demo_model_and_tokenizer()
     args = FP8GRPOConfig(
         output_dir=output_dir,
         max_steps=steps,
-        learning_rate=2e-4,  # the demo recipe's (recipes/demo_cpu.yaml)
+        learning_rate=learning_rate,
         per_device_train_batch_size=batch,
         seed=seed,
         **DEMO_GRPO_KWARGS,
-        **precision,
-        **is_mode,
+        **fields,
     )
     trainer = FP8GRPOTrainer(
         model=model,
@@ -58,8 +59,14 @@ def run(precision: dict, is_mode: dict, seed: int, steps: int, batch: int, outpu
         args=args,
         train_dataset=make_dataset(steps * batch // 8, seed=seed),
         processing_class=tokenizer,
+        **kwargs,
     )
-    trainer.remove_callback(PrinterCallback)  # the table is the output; per-step dicts go to mismatch.json
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def run(precision: dict, is_mode: dict, seed: int, steps: int, batch: int, output_dir: str) -> list[dict]:
+    trainer = demo_trainer({**precision, **is_mode}, seed, steps, batch, output_dir)
     trainer.train()
     return [log for log in trainer.state.log_history if "reward" in log]
 

@@ -89,6 +89,22 @@ def test_mismatch_benchmark_quick(tmp_path):
     assert (tmp_path / "mismatch.json").exists()
 
 
+def test_lora_mismatch_benchmark_quick(tmp_path):
+    """The LoRA ablation: PEFT's additive forward over an FP8 base samples from another grid than it learns on."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_mismatch.py"), "--quick", "--output_dir", str(tmp_path)]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    runs = json.loads((tmp_path / "lora_mismatch.json").read_text())["runs"]
+
+    def error(label):
+        (history,) = runs[f"LoRA {label}, token TIS C=2"]
+        return max(log["sampling/token_mult_prob_error"] for log in history)
+
+    assert error("BF16/BF16") < 1.0001
+    assert error("FP8/FP8 merged weight (trl-fp8)") < 1.001 < 1.003 < error("FP8/FP8 additive (ablation)")
+    assert (tmp_path / "lora_mismatch.png").stat().st_size > 10_000 and (tmp_path / "lora_mismatch.md").exists()
+
+
 def test_gpu_bench_smoke(tmp_path):
     # The GPU benchmark's plumbing, on tiny shapes (on CPU it times the emulated backend: the figures mean nothing).
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--output_dir", str(tmp_path)]

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, quantize_blockwise
-from trl_fp8.quant.lora import FP8LoraLinear, convert_lora_layers, merged_weight
+from trl_fp8.quant.adapters import merged_weight
+from trl_fp8.quant.lora import FP8LoraLinear, convert_lora_layers
 
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -114,3 +115,21 @@ def test_adapters_that_cannot_be_merged_are_refused_before_anything_changes(lora
     with pytest.raises(ValueError, match=message):
         convert_lora_layers(model)
     assert not any(isinstance(m, FP8LoraLinear) for m in model.modules())
+
+
+def test_several_active_adapters_merge_into_one_fp8_weight():
+    model = fp8_lora_llama()
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS, lora_dropout=0.0))
+    convert_lora_layers(model)  # the new adapter's layers are the same (already re-classed) modules
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    nn.init.normal_(layer.lora_B["other"].weight, std=0.05)
+    model.base_model.set_adapter(["default", "other"])
+    expected = layer.get_base_layer().weight + layer.get_delta_weight("default") + layer.get_delta_weight("other")
+    torch.testing.assert_close(merged_weight(layer), expected, rtol=0, atol=0)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        both = layer(x)
+        assert torch.equal(both, merged_fp8_linear(layer)(x))
+        model.base_model.set_adapter("default")  # the cache follows the active adapters
+        one = layer(x)
+        assert torch.equal(one, merged_fp8_linear(layer)(x)) and not torch.equal(one, both)

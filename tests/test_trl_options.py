@@ -6,10 +6,12 @@ conversational prompts, bf16, the KV cache, checkpoints) are not repeated here."
 import pytest
 import torch
 from conftest import tiny_grpo_args, tiny_policy, train_and_check
+from peft import LoraConfig
 
 from trl_fp8 import FP8GRPOTrainer
 from trl_fp8.demo.task import accuracy_reward, digit_count_reward, make_dataset
 from trl_fp8.quant import FP8Linear
+from trl_fp8.quant.lora import FP8LoraLinear
 
 
 OPTIONS = {
@@ -30,11 +32,16 @@ OPTIONS = {
     "pad_to_multiple_of": dict(pad_to_multiple_of=64),
     "gradient_checkpointing": dict(gradient_checkpointing=True, disable_dropout=True),
     "cosine_schedule_sgd": dict(lr_scheduler_type="cosine", optim="sgd"),
+    # FP8 + LoRA under the options that touch it most: recomputation, reused generations, several iterations.
+    "lora_gradient_checkpointing": dict(gradient_checkpointing=True, lora=True),
+    "lora_steps_per_generation": dict(steps_per_generation=2, max_steps=3, num_iterations=2, lora=True),
 }
 
 
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 def test_trains_in_fp8_under_trl_option(tmp_path, demo_tokenizer, options):
+    options = dict(options)
+    lora = LoraConfig(target_modules="all-linear", lora_dropout=0.0) if options.pop("lora", False) else None
     rewards = [digit_count_reward, accuracy_reward] if "reward_weights" in options else digit_count_reward
     trainer = FP8GRPOTrainer(
         model=tiny_policy(demo_tokenizer),
@@ -42,13 +49,19 @@ def test_trains_in_fp8_under_trl_option(tmp_path, demo_tokenizer, options):
         args=tiny_grpo_args(tmp_path, **options),
         train_dataset=make_dataset(16),
         processing_class=demo_tokenizer,
+        peft_config=lora,
     )
-    logs = train_and_check(trainer)
+    if lora is None:
+        logs = train_and_check(trainer)
+    else:  # only the adapters train
+        trainer.train()
+        logs = trainer.state.log_history
     errors = [log["sampling/token_mult_prob_error"] for log in logs if "sampling/token_mult_prob_error" in log]
     assert errors and max(errors) < 1.01, errors  # end-to-end FP8: sampler and learner on one weight grid
     engine = trainer.vllm_generation
     engine.sync_weights()
-    linears = [(name, m) for name, m in trainer.model.named_modules() if isinstance(m, FP8Linear)]
+    learner = engine.learner()  # without the PEFT wrapper: the checkpoint's names
+    linears = [(n, m) for n, m in learner.named_modules() if isinstance(m, FP8LoraLinear if lora else FP8Linear)]
     assert len(linears) == 14
     for name, module in linears:
         q, s = module.quantized_weight()

@@ -16,7 +16,7 @@ from peft import LoraConfig
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
-from trl_fp8.quant.lora import unwrap_peft
+from trl_fp8.quant.adapters import unwrap_peft
 
 
 def main(output_dir: str, kv_cache: bool, lora: bool) -> None:

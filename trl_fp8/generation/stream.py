@@ -7,11 +7,11 @@ import time
 import torch
 from torch import nn
 
+from ..quant.adapters import unwrap_peft
 from ..quant.blockwise import FP8_DTYPE
 from ..quant.export import iter_fp8_state, iter_hp_state
 from ..quant.kv_cache import KV_SCALE_SUFFIXES, calibrate_kv_scales, check_kv_cache_supported
 from ..quant.linear import weights_epoch
-from ..quant.lora import unwrap_peft
 
 
 def attention_module_names(model: nn.Module) -> list[str]:

@@ -12,11 +12,22 @@ from .linear import FP8Linear, mark_weights_changed, weights_epoch
 from .w8a8 import W8A8Linear, quantize_per_token_group
 
 
+def __getattr__(name: str):
+    # FP8 + LoRA needs PEFT; the rest of the numerics (and the GPU benchmark's machine) do not.
+    if name in ("FP8LoraLinear", "convert_lora_layers"):
+        from . import lora
+
+        return getattr(lora, name)
+    raise AttributeError(f"module 'trl_fp8.quant' has no attribute {name!r}")
+
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "FP8Linear",
+    "FP8LoraLinear",
     "W8A8Linear",
+    "convert_lora_layers",
     "convert_to_fp8",
     "dequantize_blockwise",
     "fp8_modules",

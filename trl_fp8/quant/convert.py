@@ -67,7 +67,7 @@ def _layer_of(name: str, prefix: str | None) -> int | None:
 def named_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """`model`'s linears under their checkpoint names: a PEFT LoRA layer stands for its base linear (under the
     LoRA layer's name, where the plain linear was); its adapters, which stay in high precision, are not listed."""
-    from .lora import lora_layers
+    from .adapters import lora_layers
 
     adapted = lora_layers(model)
     inside = tuple(f"{name}." for name in adapted)

@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from .adapters import effective_weight, fp8_weight, lora_layers
 from .blockwise import quantize_blockwise
 from .convert import is_router, named_linears, select_fp8_experts, select_fp8_linears
 from .linear import FP8Linear
-from .lora import effective_weight, fp8_weight, lora_layers
 from .moe import FP8Experts, is_fused_experts, iter_expert_pairs
 from .te_linear import is_te_linear
 

@@ -21,24 +21,13 @@ PEFT's own forward runs, on the FP8 base layer.
 """
 
 import torch
-from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
+from .adapters import lora_layers, merged_weight
 from .blockwise import _raise_nonfinite
 from .linear import FP8Linear, _FP8LinearFunction, autocast_input, mark_weights_changed, weights_epoch
-
-
-def merged_weight(layer: LoraLinear, adapters: list[str] | None = None) -> torch.Tensor:
-    """`W + Σ s·B·A` over `adapters` (the active ones by default), in W's dtype, as PEFT's safe merge computes it;
-    differentiable with respect to the adapters."""
-    w = layer.get_base_layer().weight
-    for name in layer.active_adapters if adapters is None else adapters:
-        if name in layer.lora_A:
-            w = w + layer.get_delta_weight(name).to(w.dtype)
-    return w
 
 
 def check_mergeable(layer: LoraLinear, name: str, *, allow_dropout: bool = False) -> None:
@@ -146,11 +135,6 @@ class FP8LoraLinear(LoraLinear):
         return {**self.__dict__, "_fp8_cache": None}
 
 
-def lora_layers(model: nn.Module) -> dict[str, BaseTunerLayer]:
-    """PEFT's adapter layers of `model`, by name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
-
-
 def convert_lora_layers(model: nn.Module) -> list[str]:
     """Re-classes, in place, PEFT's `lora.Linear` layers whose base layer is an `FP8Linear` as `FP8LoraLinear`;
     returns their names. Every adapter layer is checked first, so an unsupported one raises before anything
@@ -179,24 +163,3 @@ def check_peft_supported(model: nn.Module, *, allow_dropout: bool = False) -> No
         if not isinstance(m, LoraLinear):
             raise ValueError(f"{name}: {type(m).__name__} adapters are not supported with FP8 (LoRA on linears is)")
         check_mergeable(m, name, allow_dropout=allow_dropout)
-
-
-def effective_weight(layer: LoraLinear) -> torch.Tensor:
-    """The high-precision weight `layer` computes with: W + s·B·A over its active adapters; W alone when they are
-    disabled, or already merged into it."""
-    off = layer.disable_adapters or layer.merged
-    return merged_weight(layer, [] if off else None).detach()
-
-
-def fp8_weight(layer: LoraLinear) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(q, scale_inv)` that `layer` computes with if it runs in FP8, else None."""
-    if isinstance(layer, FP8LoraLinear) and layer._fp8_path():
-        return layer.quantized_weight()
-    base = layer.get_base_layer()
-    return base.quantized_weight() if isinstance(base, FP8Linear) else None
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a `PeftModel`, whose module names are the checkpoint's (`model.layers.0...`,
-    the adapter layers where their linears were); any other model as it is."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model

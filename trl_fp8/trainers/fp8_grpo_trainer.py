@@ -14,11 +14,12 @@ from trl.trainer.utils import get_config_model_id
 
 from ..generation.reference import ReferenceEngine, left_pad
 from ..generation.vllm_fp8 import FP8VLLMGeneration
+from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8
 from ..quant.export import save_fp8_checkpoint
 from ..quant.kv_cache import check_kv_cache_supported
-from ..quant.lora import check_peft_supported, convert_lora_layers, unwrap_peft
+from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear
 from .checks import check_backend_runs_here, check_parameters_unsharded, check_peft_config
