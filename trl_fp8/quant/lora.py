@@ -3,19 +3,14 @@
 PEFT's `lora.Linear` adds the adapter's product to its base layer's output, `Y = X·Q(W)ᵀ + s·X·Aᵀ·Bᵀ`. A sampler,
 vLLM or the reference engine, holds one weight per layer: the merged `W + s·B·A`, in block FP8 `Q(W + s·B·A)`. The
 two differ by how the adapter's delta falls on the FP8 grid, which is the FP8-generation-only mismatch the recipe
-exists to remove. An `FP8LoraLinear` therefore runs the merged weight itself (M tokens, K in, N out, rank r):
+exists to remove. An `FP8LoraLinear` therefore computes with the merged weight itself (see `_FP8LoraFunction` for
+its GEMMs): forward and dgrad in FP8 on `Q(W + s·B·A)`, quantized once per optimizer step (cached on the versions of
+W, A and B); the adapters' gradients in high precision from X and dY, as PEFT computes them. Those are the
+straight-through gradients of the merged layer (quantization is the identity in backward, as in every FP8 linear),
+without the N x K weight gradient that full training needs: W is frozen, with no gradient and no optimizer state.
 
-- fprop: Y[M, N]   = X[M, K] · Q(W + s·B·A)[N, K]ᵀ     FP8, the quantization the sampler receives bit for bit
-- dgrad: dX[M, K]  = dY[M, N] · Q(W + s·B·A)[N, K]     FP8
-- wgrad: dW'[N, K] = dY[M, N]ᵀ · X[M, K]               FP8, as in full-parameter training; autograd carries it
-  through the merge to dB[N, r] = s·dW'·Aᵀ and dA[r, K] = s·Bᵀ·dW' (W is frozen: no gradient, no optimizer state)
-
-Quantization is the identity in backward (straight-through), as in every FP8 linear. This costs the wgrad GEMM that
-a plain LoRA skips; what LoRA keeps is its memory saving (no gradient or optimizer state for W) and its small
-checkpoints. The merged weight is quantized once per optimizer step (cached on the versions of W, A and B).
-
-Supported: vanilla LoRA on linears (any rank, alpha, rsLoRA, several adapters active at once, `fan_in_fan_out`),
-with `lora_dropout=0` (dropout acts on the adapter's input and cannot be merged into a weight). Refused, naming the
+Supported: vanilla LoRA on linears (any rank, alpha, rsLoRA, several adapters active at once), with
+`lora_dropout=0` (dropout acts on the adapter's input and cannot be merged into a weight). Refused, naming the
 layer: DoRA and the other LoRA variants, `lora_bias`. With adapters disabled (TRL's reference log-probs) or merged,
 PEFT's own forward runs, on the FP8 base layer.
 """
@@ -27,7 +22,54 @@ from torch import nn
 
 from .adapters import lora_layers, merged_weight
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _FP8LinearFunction, autocast_input, mark_weights_changed, weights_epoch
+from .linear import FP8Linear, _SharedActivation, autocast_input, mark_weights_changed, weights_epoch
+
+
+class _FP8LoraFunction(torch.autograd.Function):
+    """Y = X · Q(W + B·A)ᵀ (+ b) for a frozen W and the active adapters stacked, A (r, K) and B (N, r) with their
+    scalings folded into B (M tokens, K in, N out, r the adapters' summed rank):
+
+    - fprop: Y[M, N]  = X[M, K] · Q(W + B·A)[N, K]ᵀ      FP8: X in 1x128 blocks along K, the merged weight in 128x128
+    - dgrad: dX[M, K] = dY[M, N] · Q(W + B·A)[N, K]      FP8: dY in 1x128 blocks along N
+    - the adapters, in high precision (fp32 accumulation) from the saved X and dY, instead of a wgrad:
+      dB[N, r] = dY[M, N]ᵀ · (X·Aᵀ)[M, r]    and    dA[r, K] = (dY·B)[M, r]ᵀ · X[M, K]
+
+    The merged weight's FP8 codes and scales are passed in (the layer's cache), so the sampler's are these very ones.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lora_a, lora_b, bias, w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t, w_block, backend, pow2):
+        x2d = x.reshape(-1, x.shape[-1])
+        m = x2d.shape[0]
+        x_fp8, x_scale_inv, _, _ = _SharedActivation.quantize(backend, x, x2d, pow2, False)
+        y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)[:m]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(w_fp8_t, w_scale_inv_t, x2d, lora_a, lora_b)
+        ctx.backend, ctx.pow2_scales, ctx.w_block, ctx.x_shape = backend, pow2, w_block, x.shape
+        ctx.has_bias = bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_fp8_t, w_scale_inv_t, x2d, lora_a, lora_b = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        m = dy2d.shape[0]
+        dx = da = db = dbias = None
+        if ctx.needs_input_grad[0]:
+            dy_fp8, dy_scale_inv, _, _ = ctx.backend.quantize_act(dy2d, ctx.pow2_scales, False)
+            w_block_t = (ctx.w_block[1], ctx.w_block[0])
+            dx = ctx.backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv_t, w_block_t, x2d.dtype)
+            dx = dx[:m].reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dy_hp, x_hp = dy2d.to(lora_a.dtype), x2d.to(lora_a.dtype)
+            if ctx.needs_input_grad[2]:
+                db = dy_hp.t() @ (x_hp @ lora_a.t())  # [N, M] @ [M, r] -> [N, r]
+            if ctx.needs_input_grad[1]:
+                da = (dy_hp @ lora_b).t() @ x_hp  # [r, M] @ [M, K] -> [r, K]
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            dbias = dy2d.sum(0)
+        return dx, da, db, dbias, None, None, None, None, None, None, None
 
 
 def check_mergeable(layer: LoraLinear, name: str, *, allow_dropout: bool = False) -> None:
@@ -103,14 +145,13 @@ class FP8LoraLinear(LoraLinear):
             return super().forward(x, *args, **kwargs)  # the FP8 base layer alone, or PEFT's mixed batches
         base, adapters = self.get_base_layer(), self._adapters()
         q, s, qt, st = self._quantized(check_finite=False)
-        trains = torch.is_grad_enabled() and any(
-            p.requires_grad for a in adapters for p in (self.lora_A[a].weight, self.lora_B[a].weight)
-        )
-        # The merged weight enters autograd only for its gradient: the GEMMs read the cached quantization.
-        weight = merged_weight(self, adapters) if trains else base.weight
-        return _FP8LinearFunction.apply(
+        # The adapters stacked, their scalings folded into B: autograd takes the gradients on to each A and B.
+        lora_a = torch.cat([self.lora_A[a].weight for a in adapters])
+        lora_b = torch.cat([self.lora_B[a].weight * self.scaling[a] for a in adapters], dim=1)
+        return _FP8LoraFunction.apply(
             autocast_input(x),
-            weight,
+            lora_a,
+            lora_b,
             base.bias,
             q,
             s,
@@ -119,7 +160,6 @@ class FP8LoraLinear(LoraLinear):
             base.weight_block_size,
             base._backend_for(x.device),
             base.pow2_scales,
-            torch.is_grad_enabled(),
         )
 
     # PEFT merges through `weight.data`, which no version counter sees: the FP8 caches must be told.
