@@ -77,10 +77,15 @@ def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
     assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(held.weight_scale_inv, s)
 
 
-def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer):
+@pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic_cache", "static_cache"])
+def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer, cache):
+    """Also with `cache_implementation`, which the engine decodes with as TRL's transformers path would."""
     temperature = 0.7
-    trainer = digit_trainer(tmp_path, demo_tokenizer, temperature=temperature, max_completion_length=6)
+    trainer = digit_trainer(
+        tmp_path, demo_tokenizer, temperature=temperature, max_completion_length=6, cache_implementation=cache
+    )
     engine = trainer.vllm_generation
+    assert engine.generation_config.cache_implementation == cache
     engine.sync_weights()
     prompts = [demo_tokenizer(p)["input_ids"] for p in make_dataset(4)["prompt"]]
     prompt_ids, completion_ids, logprobs, _ = engine.generate(prompts, None, 1)

@@ -194,6 +194,8 @@ def test_config_defaults_and_contradictions(tmp_path):
     ).resolved_fp8_recipe.pow2_scales
     with pytest.raises(ValueError, match="vllm_mode='server' is not supported"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match="cache_implementation='static' conflicts with fp8_kv_cache=True"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_cache=True, cache_implementation="static")
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
     with pytest.raises(ValueError, match="loss_type='vespo' needs vllm_importance_sampling_mode"):

@@ -130,6 +130,9 @@ class ReferenceEngine(LearnerStream):
             How scales are derived from the per-token K/V amax (see `trl_fp8.quant.kv_cache`).
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Compute the logits with an fp32 `lm_head`, as `GRPOConfig.cast_lm_head_to_fp32` makes the learner do.
+        cache_implementation (`str`, *optional*):
+            transformers' KV-cache implementation for decoding (`GRPOConfig.cache_implementation`); not with
+            `kv_cache`, whose FP8 cache the engine builds itself.
     """
 
     def __init__(
@@ -153,7 +156,13 @@ class ReferenceEngine(LearnerStream):
         kv_scale_percentile: float = 99.9,
         kv_scale_margin: float = 1.05,
         cast_lm_head_to_fp32: bool = False,
+        cache_implementation: str | None = None,
     ):
+        if kv_cache and cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={cache_implementation!r} conflicts with the FP8 KV cache, which the engine "
+                "decodes with: unset cache_implementation, or set fp8_kv_cache=False"
+            )
         self._init_stream(
             model,
             accelerator,
@@ -178,6 +187,7 @@ class ReferenceEngine(LearnerStream):
             eos_token_id=self.eos_token_ids,
             pad_token_id=pad_token_id,
             use_cache=True,  # decode with a KV cache, whatever the learner's config says
+            cache_implementation=cache_implementation,
         )
         # As in TRL, `generation_kwargs` override the sampling parameters; the scores are the engine's own.
         self.generation_config = GenerationConfig(

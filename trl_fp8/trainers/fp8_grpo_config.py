@@ -196,6 +196,11 @@ class FP8GRPOConfig(GRPOConfig):
                 "weights for the server to re-quantize, not the learner's FP8 weights and scales. Use "
                 "vllm_mode='colocate' (vLLM in the training processes), or use_vllm=False (the FP8 reference engine)."
             )
+        if self.fp8_kv_cache and not self.use_vllm and self.cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={self.cache_implementation!r} conflicts with fp8_kv_cache=True: the reference "
+                "engine decodes with its own FP8 KV cache. Unset cache_implementation, or set fp8_kv_cache=False."
+            )
         if self.use_transformers_continuous_batching:
             raise ValueError(
                 "use_transformers_continuous_batching=True conflicts with FP8GRPOTrainer's sampling engine; set it to "

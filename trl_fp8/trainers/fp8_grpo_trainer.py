@@ -132,6 +132,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             kv_scale_percentile=args.fp8_kv_scale_percentile,
             kv_scale_margin=args.fp8_kv_scale_margin,
             cast_lm_head_to_fp32=args.cast_lm_head_to_fp32,
+            cache_implementation=args.cache_implementation,
         )
         self.use_vllm = True
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
