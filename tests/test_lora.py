@@ -137,3 +137,27 @@ def test_several_active_adapters_merge_into_one_fp8_weight():
         model.base_model.set_adapter("default")  # the cache follows the active adapters
         one = layer(x)
         assert torch.equal(one, merged_fp8_linear(layer)(x)) and not torch.equal(one, both)
+
+
+def test_adapted_layers_stay_fp8_linears_where_transformer_engine_takes_the_others(monkeypatch):
+    """TransformerEngine cannot run here (no CUDA): a stand-in for its linear class records which layers it is
+    given. Those LoRA adapts must stay `FP8Linear`, whose GEMMs `FP8LoraLinear` drives with the merged weight."""
+    import trl_fp8.quant.convert as convert
+
+    taken = []
+
+    class TransformerEngineStandIn:
+        @staticmethod
+        def from_linear(linear, pow2_scales, name):
+            taken.append(name)
+            return linear
+
+    monkeypatch.setattr(convert, "_te_linear_for", lambda model, recipe: TransformerEngineStandIn)
+    model = lora_llama()
+    base = model.get_base_model()
+    convert_to_fp8(base, FP8Recipe(backend="te"))
+    assert sorted({name.rsplit(".", 1)[1] for name in taken}) == ["gate_proj", "k_proj", "o_proj", "up_proj"]
+    adapted = [m for m in base.modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 3 * len(TARGETS)
+    assert all(isinstance(m.get_base_layer(), FP8Linear) and m.get_base_layer().backend == "auto" for m in adapted)
+    assert len(convert_lora_layers(base)) == len(adapted)

@@ -206,17 +206,20 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module = getattr(parent, child)
-        if not isinstance(module, nn.Linear):  # a PEFT LoRA layer: its base linear is converted, its adapters not
+        adapted = not isinstance(module, nn.Linear)
+        if adapted:  # a PEFT LoRA layer: its base linear is converted, its adapters not
             parent, child = module, "base_layer"
             module = module.base_layer
         if isinstance(module, FP8Linear) or is_te_linear(module):
             continue
-        if te_linear is not None:
+        if te_linear is not None and not adapted:
             new = te_linear.from_linear(module, pow2_scales=recipe.pow2_scales, name=name)
         else:
             new = FP8Linear.from_linear(
                 module,
-                backend=recipe.backend,
+                # An adapted layer computes with its merged weight through trl-fp8's GEMMs (`FP8LoraLinear`), which
+                # TransformerEngine's linear has no way to do.
+                backend="auto" if recipe.backend == "te" else recipe.backend,
                 pow2_scales=recipe.pow2_scales,
                 weight_block_size=tuple(recipe.weight_block_size),
                 name=name,

@@ -348,8 +348,10 @@ def learner_backend(policy, recipe) -> str:
     if any(is_te_linear(m) for m in policy.modules()):
         return "te"
     device = next(policy.parameters()).device
-    auto_other_block = recipe.backend == "auto" and list(recipe.weight_block_size) != [128, 128]
-    name = "emulated" if recipe.backend == "te" or auto_other_block else recipe.backend  # as FP8Linear resolves it
+    # As FP8Linear resolves it: with "te", the linears TE does not take (LoRA's base layers, other weight blocks) run
+    # on "auto", which takes the oracle for weight blocks other than 128x128.
+    auto_other_block = recipe.backend in ("auto", "te") and list(recipe.weight_block_size) != [128, 128]
+    name = "emulated" if auto_other_block else "auto" if recipe.backend == "te" else recipe.backend
     return resolve_backend(name, device).name
 
 
