@@ -161,3 +161,17 @@ def test_adapted_layers_stay_fp8_linears_where_transformer_engine_takes_the_othe
     assert len(adapted) == 3 * len(TARGETS)
     assert all(isinstance(m.get_base_layer(), FP8Linear) and m.get_base_layer().backend == "auto" for m in adapted)
     assert len(convert_lora_layers(base)) == len(adapted)
+
+
+def test_adapters_added_after_conversion_are_not_streamed_without_their_fp8_layer():
+    """An adapter added after `convert_lora_layers` runs PEFT's additive forward over the FP8 base: no FP8 weight
+    reproduces it, so the stream refuses the layer instead of sending the base weight without its adapter."""
+    from trl_fp8.quant import iter_fp8_state
+
+    model = fp8_lora_llama()
+    model.add_adapter("other", LoraConfig(target_modules=["k_proj"], lora_dropout=0.0))
+    model.base_model.set_adapter(["default", "other"])
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj: its LoRA adapters run PEFT's additive forward"):
+        list(iter_fp8_state(model.get_base_model()))
+    convert_lora_layers(model.get_base_model())
+    assert len(list(iter_fp8_state(model.get_base_model()))) > 0

@@ -22,16 +22,23 @@ def merged(layer) -> torch.Tensor:
     return (layer.get_base_layer().weight + (lora_b @ lora_a) * layer.scaling["default"]).detach()
 
 
-def lora_trainer(tmp_path, tokenizer, lora=None, model=None, **args):
-    lora = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0, **(lora or {})}
+def fp8_trainer(tmp_path, tokenizer, model, peft_config, **args) -> FP8GRPOTrainer:
     return FP8GRPOTrainer(
-        model=model if model is not None else tiny_policy(tokenizer),
+        model=model,
         reward_funcs=digit_count_reward,
         args=tiny_grpo_args(tmp_path, **args),
         train_dataset=make_dataset(16),
         processing_class=tokenizer,
-        peft_config=LoraConfig(**lora) if model is None else None,
+        peft_config=peft_config,
     )
+
+
+def lora_trainer(tmp_path, tokenizer, lora=None, model=None, **args):
+    """A fresh tiny policy with LoRA on every linear (`lora` overrides), or `model` (a PeftModel) as it is."""
+    lora = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "lora_dropout": 0.0, **(lora or {})}
+    if model is not None:
+        return fp8_trainer(tmp_path, tokenizer, model, None, **args)
+    return fp8_trainer(tmp_path, tokenizer, tiny_policy(tokenizer), LoraConfig(**lora), **args)
 
 
 def adapted_layers(trainer):
@@ -128,26 +135,19 @@ def test_the_fp8_checkpoint_holds_the_merged_weights(tmp_path, demo_tokenizer):
 def test_adapters_fp8_cannot_merge_are_refused_before_the_model_is_touched(tmp_path, demo_tokenizer, lora, message):
     model = tiny_policy(demo_tokenizer)
     with pytest.raises(ValueError, match=message):
-        FP8GRPOTrainer(
-            model=model,
-            reward_funcs=digit_count_reward,
-            args=tiny_grpo_args(tmp_path),
-            train_dataset=make_dataset(16),
-            processing_class=demo_tokenizer,
-            peft_config=LoraConfig(**{"target_modules": ["q_proj"], "lora_dropout": 0.0, **lora}),
+        fp8_trainer(
+            tmp_path, demo_tokenizer, model, LoraConfig(**{"target_modules": ["q_proj"], "lora_dropout": 0.0, **lora})
         )
     assert not any("lora" in name for name, _ in model.named_modules())
 
 
 def test_other_peft_methods_and_unmergeable_peft_models_are_refused(tmp_path, demo_tokenizer):
     with pytest.raises(ValueError, match=r"peft_config: FP8GRPOTrainer supports LoraConfig, not PrefixTuningConfig"):
-        FP8GRPOTrainer(
-            model=tiny_policy(demo_tokenizer),
-            reward_funcs=digit_count_reward,
-            args=tiny_grpo_args(tmp_path),
-            train_dataset=make_dataset(16),
-            processing_class=demo_tokenizer,
-            peft_config=PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        fp8_trainer(
+            tmp_path,
+            demo_tokenizer,
+            tiny_policy(demo_tokenizer),
+            PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
         )
     peft_model = get_peft_model(tiny_policy(demo_tokenizer), LoraConfig(target_modules=["v_proj"], lora_dropout=0.1))
     with pytest.raises(ValueError, match=r"layers.0.self_attn.v_proj: LoraConfig.lora_dropout must be 0"):
@@ -176,3 +176,66 @@ def test_resume_from_an_adapter_checkpoint_continues_with_the_same_numbers(tmp_p
         torch.testing.assert_close(ours[name], p, rtol=0, atol=0, msg=f"{name} differs after resuming")
     for name, layer in adapted_layers(resumed).items():
         assert torch.equal(layer.quantized_weight()[1], adapted_layers(straight)[name].quantized_weight()[1]), name
+
+
+@pytest.mark.parametrize("fp8_training", [True, False], ids=["end_to_end", "fp8_generation_only"])
+@pytest.mark.parametrize(
+    ("lora", "message"),
+    [
+        ({"target_modules": ["embed_tokens", "q_proj"]}, r"model.embed_tokens: Embedding adapters are not supported"),
+        ({"alora_invocation_tokens": [5]}, r"model.layers.0.self_attn.q_proj: LoRA variant ALoraLinearVariant"),
+    ],
+    ids=["embedding", "alora"],
+)
+def test_what_peft_would_build_is_checked_before_the_model_is_wrapped(
+    tmp_path, demo_tokenizer, lora, message, fp8_training
+):
+    """TRL wraps the model in place: the adapters PEFT would build are checked first, on an empty copy of the
+    architecture, whether or not the learner trains in FP8 (the sampler needs one mergeable weight either way)."""
+    model = tiny_policy(demo_tokenizer)
+    with pytest.raises(ValueError, match=message):
+        fp8_trainer(
+            tmp_path,
+            demo_tokenizer,
+            model,
+            LoraConfig(**{"target_modules": ["q_proj"], "lora_dropout": 0.0, **lora}),
+            fp8_training=fp8_training,
+        )
+    assert not any("lora" in name for name, _ in model.named_modules())
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def test_lora_on_a_tied_output_embedding_is_refused(tmp_path, demo_tokenizer):
+    """The sampler holds one tensor for `lm_head.weight` and `model.embed_tokens.weight`: the adapter would be lost."""
+    model = tiny_policy(demo_tokenizer)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"lm_head: LoRA on a weight tied to another \(model.embed_tokens.weight"):
+        fp8_trainer(
+            tmp_path, demo_tokenizer, model, LoraConfig(target_modules=["q_proj", "lm_head"], lora_dropout=0.0)
+        )
+
+
+def test_switching_adapters_or_their_scale_refits_the_sampler(tmp_path, demo_tokenizer):
+    """`set_adapter` and `set_scale` change the weights the layers compute with but no parameter: the engine still
+    sees the change and refits."""
+    trainer = lora_trainer(tmp_path, demo_tokenizer, {"target_modules": ["q_proj"]}, max_steps=1)
+    trainer.train()  # the default adapter's B moves away from zero
+    peft_model, engine = trainer.model, trainer.vllm_generation
+    peft_model.add_adapter("other", LoraConfig(target_modules=["q_proj"], lora_dropout=0.0))
+    layer = adapted_layers(trainer)["model.layers.1.self_attn.q_proj"]
+    held = engine.sampler.get_submodule("model.layers.1.self_attn.q_proj")
+
+    def sampler_holds_the_layers_weight():
+        engine.sync_weights()
+        return torch.equal(held.weight.view(torch.uint8), layer.quantized_weight()[0].view(torch.uint8))
+
+    assert sampler_holds_the_layers_weight()
+    before = held.weight.clone()
+    peft_model.base_model.set_adapter("other")  # B = 0: the base weight alone
+    assert sampler_holds_the_layers_weight() and not torch.equal(
+        held.weight.view(torch.uint8), before.view(torch.uint8)
+    )
+    peft_model.base_model.set_adapter("default")
+    layer.set_scale("default", 3.0)
+    assert sampler_holds_the_layers_weight()

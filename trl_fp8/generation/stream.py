@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from ..quant.adapters import unwrap_peft
+from ..quant.adapters import adapter_state, unwrap_peft
 from ..quant.blockwise import FP8_DTYPE
 from ..quant.export import iter_fp8_state, iter_hp_state
 from ..quant.kv_cache import KV_SCALE_SUFFIXES, calibrate_kv_scales, check_kv_cache_supported
@@ -70,7 +70,7 @@ class LearnerStream:
     def learner_changed(self) -> tuple | None:
         """The learner's weight versions if they changed since the last sync (else `None`)."""
         policy = self.learner()
-        versions = (weights_epoch(), *(p._version for p in policy.parameters()))
+        versions = (weights_epoch(), adapter_state(policy), *(p._version for p in policy.parameters()))
         return None if versions == self._synced_versions else versions
 
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:

@@ -41,13 +41,39 @@ def effective_weight(layer) -> torch.Tensor:
     return merged_weight(layer, [] if off else None).detach()
 
 
-def fp8_weight(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`(q, scale_inv)` that `layer` computes with if it runs in FP8, else None."""
+def fp8_weight(layer, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(q, scale_inv)` that `layer` (named `name`) computes with if it runs in FP8, else None. Raises a `ValueError`
+    for adapters that run PEFT's additive forward over an FP8 base (added after `convert_lora_layers`): no single
+    FP8 weight is what such a layer computes with."""
     runs_merged = getattr(layer, "_fp8_path", None)  # an FP8LoraLinear
     if runs_merged is not None and runs_merged():
         return layer.quantized_weight()
     base = layer.get_base_layer()
-    return base.quantized_weight() if isinstance(base, FP8Linear) else None
+    if not isinstance(base, FP8Linear):
+        return None
+    if not (layer.disable_adapters or layer.merged) and any(a in layer.lora_A for a in layer.active_adapters):
+        raise ValueError(
+            f"{name}: its LoRA adapters run PEFT's additive forward over an FP8 base, which no FP8 weight a sampler "
+            "can hold reproduces; call trl_fp8.quant.convert_lora_layers(model) after adding adapters"
+        )
+    return base.quantized_weight()
+
+
+def adapter_state(model: nn.Module) -> tuple:
+    """What, besides parameter values, sets the weights `model`'s LoRA layers compute with: their active adapters,
+    whether those are disabled or merged, and their scalings (`set_adapter`, `set_scale` change no parameter)."""
+    return tuple(
+        (name, tuple(m.active_adapters), m.disable_adapters, m.merged, tuple(sorted(m.scaling.items())))
+        for name, m in lora_layers(model).items()
+    )
+
+
+def tied_weights(model: nn.Module) -> dict[int, list[str]]:
+    """The parameters of `model` that appear under several names (tied embeddings), by id, with their names."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {key: value for key, value in names.items() if len(value) > 1}
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:

@@ -87,7 +87,7 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
 def _adapted_pairs(prefix: str, layer, quantize: bool, recipe) -> Iterator[tuple[str, torch.Tensor]]:
     """A PEFT LoRA layer as the checkpoint's plain linear (`prefix` + `weight`, ...): the weight it computes with,
     merged, in FP8 when it runs in FP8 (or `quantize`s by the recipe), else in high precision."""
-    pair = fp8_weight(layer)
+    pair = fp8_weight(layer, prefix.rstrip("."))
     if pair is None and quantize:
         pair = quantize_blockwise(
             effective_weight(layer),

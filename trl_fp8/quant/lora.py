@@ -20,7 +20,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.utils import AuxiliaryTrainingWrapper
 from torch import nn
 
-from .adapters import lora_layers, merged_weight
+from .adapters import lora_layers, merged_weight, tied_weights
 from .blockwise import _raise_nonfinite
 from .linear import FP8Linear, _SharedActivation, autocast_input, mark_weights_changed, weights_epoch
 
@@ -199,7 +199,15 @@ def check_peft_supported(model: nn.Module, *, allow_dropout: bool = False) -> No
                 f"{name}: {type(m).__name__} (LoraConfig.modules_to_save / trainable_token_indices) is not supported "
                 "with FP8 yet; train those modules' copies without FP8, or leave them out of the adapter"
             )
+    tied = tied_weights(model)
     for name, m in lora_layers(model).items():
         if not isinstance(m, LoraLinear):
             raise ValueError(f"{name}: {type(m).__name__} adapters are not supported with FP8 (LoRA on linears is)")
         check_mergeable(m, name, allow_dropout=allow_dropout)
+        shared = tied.get(id(m.get_base_layer().weight))
+        if shared is not None:
+            raise ValueError(
+                f"{name}: LoRA on a weight tied to another ({', '.join(shared)}) is not supported: the sampler holds "
+                "one tensor for both names, and only one of them would carry the adapter. Leave it out of "
+                "target_modules, or untie the weights."
+            )

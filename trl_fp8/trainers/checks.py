@@ -1,6 +1,7 @@
 """What FP8GRPOTrainer refuses at start, before TRL loads or wraps anything: each check raises naming the field or
 setting, so a failed start changes nothing."""
 
+import copy
 import os
 
 import torch
@@ -33,6 +34,29 @@ def check_peft_config(peft_config, fp8_training: bool) -> None:
         value = getattr(peft_config, field, None)
         if value and (fp8_training or field != "lora_dropout"):
             raise ValueError(f"LoraConfig.{field}={value!r} is not supported by FP8GRPOTrainer: {why}")
+
+
+def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
+    """Wraps an empty (meta-device) copy of the policy's architecture with `peft_config` and refuses what PEFT would
+    build there that FP8 cannot carry (adapters on embeddings, LoRA variants, tied targets; see
+    `trl_fp8.quant.lora.check_peft_supported`): TRL wraps the real model in place, so this must come first."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..quant.lora import check_peft_supported
+
+    try:
+        if isinstance(model, str):
+            revision = (args.model_init_kwargs or {}).get("revision")
+            config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=args.trust_remote_code)
+        else:
+            config = model.config
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+            skeleton = get_peft_model(skeleton, copy.deepcopy(peft_config))
+    except Exception:  # an architecture or initialization the skeleton cannot take: checked after TRL wraps the model
+        return
+    check_peft_supported(skeleton.get_base_model(), allow_dropout=not args.fp8_training)  # the checkpoint's names
 
 
 def check_parameters_unsharded(args: FP8GRPOConfig) -> None:

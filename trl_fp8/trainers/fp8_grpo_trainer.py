@@ -22,7 +22,7 @@ from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear
-from .checks import check_backend_runs_here, check_parameters_unsharded, check_peft_config
+from .checks import check_backend_runs_here, check_parameters_unsharded, check_peft_config, check_peft_targets
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -72,6 +72,7 @@ class FP8GRPOTrainer(GRPOTrainer):
             )
         if kwargs.get("peft_config") is not None:
             check_peft_config(kwargs["peft_config"], args.fp8_training)
+            check_peft_targets(model, kwargs["peft_config"], args)
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
         check_parameters_unsharded(args)
@@ -94,6 +95,9 @@ class FP8GRPOTrainer(GRPOTrainer):
         with _engine_class(engine):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         self.fp8_backend = "none"
+        if is_peft_model(self.accelerator.unwrap_model(self.model)):  # what the skeleton could not check
+            policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
+            check_peft_supported(policy, allow_dropout=not args.fp8_training)
         if args.fp8_training:
             # With PEFT: the frozen base linears in FP8, each LoRA layer computing with its merged weight in FP8.
             policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
