@@ -46,10 +46,10 @@ def additive_lora_sync():
     """The sampler gets each PEFT layer's merged weight quantized at sync time, whatever the learner computed."""
     original = export.fp8_weight
 
-    def merged_then_quantized(layer):
+    def merged_then_quantized(layer, name):
         if type(layer) is LoraLinear and isinstance(layer.get_base_layer(), FP8Linear):
             return quantize_blockwise(effective_weight(layer), (128, 128))
-        return original(layer)
+        return original(layer, name)
 
     export.fp8_weight = merged_then_quantized
     try:
