@@ -30,6 +30,20 @@ def tiny_config_kwargs(**overrides):
     return kwargs
 
 
+# head_dim 128 and 2 KV heads: every q/k/v shard stays a multiple of 128 rows at TP 1 and 2.
+TP_READY = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+
+
+def tiny_model(cls_config, cls_model, **overrides):
+    """A seeded tiny `cls_model` with every linear dim a multiple of 128 (`tiny_config_kwargs` + `overrides`)."""
+    torch.manual_seed(0)
+    from transformers import Phi3Config
+
+    if cls_config is Phi3Config:  # its default special tokens (32000) lie outside the tiny vocabulary
+        overrides = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0) | overrides
+    return cls_model(cls_config(**tiny_config_kwargs(**overrides))).eval()
+
+
 @pytest.fixture
 def tiny_llama():
     torch.manual_seed(0)
