@@ -11,6 +11,7 @@ the layers of the model NeMo RL's 15-25% faster steps were measured on, without 
 (g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts, (h) where (d)'s step time
 goes per precision: kernel time per category (GEMM, FP8 quantize, attention, optimizer, copies), GPU busy share,
 launches and host syncs per step, top kernels (and `profile_<first FP8 backend>.json.gz`, a Perfetto trace).
+(d), (e), (g) and (h) are in `gpu_bench_model.py`, the report in `bench_report.py`.
 Writes `gpu_bench.json`, `gpu_bench.md` and `gpu_targets.png` (every ratio against its target). On a machine without
 an SM90 GPU the fast backend is `emulated` and the ratios mean nothing; `--smoke` exists to check the script itself
 there.
@@ -18,11 +19,8 @@ there.
 
 import argparse
 import contextlib
-import copy
-import gc
 import json
 import math
-import statistics
 import time
 import traceback
 from functools import partial
@@ -30,42 +28,18 @@ from pathlib import Path
 
 import torch
 from bench_report import markdown, plot_targets, targets  # benchmarks/, on sys.path when run as a script
-from step_profile import BENCH_SYNC, profile_summary
+from gpu_bench_model import bench_moe, bench_profile, bench_train_step, sqnr, timed
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+from transformers import LlamaConfig
 
-from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import BACKENDS, emulated, resolve_backend
 from trl_fp8.quant.backends._quantize import fast_act, fast_weight, triton_status
 from trl_fp8.quant.linear import _SharedActivation
-from trl_fp8.quant.moe import FP8Experts
 from trl_fp8.quant.te_linear import te_linear_class, te_status
 
 
 GEMM_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N) of Llama-3.1-8B
-
-
-def timed(fn, device, warmup=3, iters=10) -> float:
-    """Median seconds of `fn()`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.double(), x.double()
-    return float(20 * torch.log10(ref.norm() / (ref - x).norm().clamp_min(1e-30)))
 
 
 @contextlib.contextmanager
@@ -201,163 +175,6 @@ def bench_quantize(device, m, k, iters):
         # Which slicing won (CHUNK rows; pass 2 by row or column slices), per (K, WITH_T, dtypes) key.
         rows["act_kernel_autotuned"] = {str(key): str(cfg) for key, cfg in quant_act_kernel_tuned.cache.items()}
     return rows
-
-
-_BASE_MODEL: dict[str, nn.Module] = {}
-
-
-def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: int):
-    """`(model, optimizer, step, losses)` of the training step (d) times and (h) profiles, for `label` ("bf16", an
-    FP8 backend, or "<backend> unfused": q/k/v and gate/up run alone); every label starts from the same random
-    weights and tokens."""
-    key = config.to_json_string()
-    if key not in _BASE_MODEL:
-        # A 1B model's random init on the CPU takes tens of seconds: once per run and shape, not per precision and
-        # section.
-        torch.manual_seed(0)
-        _BASE_MODEL[key] = LlamaForCausalLM(config).to(dtype=torch.bfloat16)
-    model = copy.deepcopy(_BASE_MODEL[key]).to(device)
-    if label != "bf16":
-        backend, _, variant = label.partition(" ")
-        convert_to_fp8(model, FP8Recipe(backend=backend, fuse_siblings=variant != "unfused"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    torch.manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
-    losses = []
-
-    def step():
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
-    return model, opt, step, losses
-
-
-def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iters, unfused=False):
-    out = {}
-    # `unfused`: the first backend once more with its sibling linears alone, to show what stacking them gives.
-    extra = [f"{next(iter(backends))} unfused"] if unfused and backends and next(iter(backends)) != "te" else []
-    for label in ("bf16", *backends, *extra):
-        model, opt, step, losses = train_setup(device, label, config, seq_len, batch)
-        if device.type == "cuda":
-            gc.collect()  # the previous precision's model must be gone before (e) is measured
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        t = timed(step, device, warmup=2, iters=iters)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        out[label] = dict(tokens_per_s=batch * seq_len / t, step_ms=t * 1e3, peak_memory_gib=peak,
-                          losses=[round(float(v), 4) for v in losses])  # fmt: skip
-        del model, opt, step
-    for label in (*backends, *extra):
-        out[label]["ratio"] = out[label]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
-    out["shape"] = f"{batch} x {seq_len} tokens per step"
-    return out
-
-
-def bench_profile(device, backends, config: LlamaConfig, seq_len, batch, trace_dir: Path | None = None, steps=2):
-    """(h) Where (d)'s training step spends its time, per precision: `profile_summary` of `steps` profiled steps
-    after two warm-up steps (and two timed without the profiler, whose own overhead the profiled wall time holds)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    on_device = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
-
-    def sync():
-        if on_device:
-            with record_function(BENCH_SYNC):
-                torch.cuda.synchronize()
-
-    def profile_one(label):
-        model, opt, step, _ = train_setup(device, label, config, seq_len, batch)
-        unprofiled = timed(step, device, warmup=2, iters=2)
-        # Stacks only on CPU: there they tell the emulated quantization's aten ops from the rest; on a GPU our kernels
-        # carry their own names, and the Python tracer would inflate the host time this measures.
-        with profile(activities=activities, with_stack=not on_device) as prof:
-            sync()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            sync()
-            wall = time.perf_counter() - start
-        del model, opt, step
-        result = profile_summary(prof.events(), steps, wall, on_device)
-        result["step_ms_unprofiled"] = unprofiled * 1e3
-        if trace_dir is not None and label == next(iter(backends), None):
-            # One FP8 trace to open in Perfetto when the categories are not enough; dropped when it is too big.
-            path = trace_dir / f"profile_{label}.json.gz"
-            try:
-                prof.export_chrome_trace(str(path))
-                size = path.stat().st_size
-                result["trace"] = path.name if size < 20 * 2**20 else f"dropped: {size / 2**20:.0f} MiB"
-                if size >= 20 * 2**20:
-                    path.unlink()
-            except Exception as err:  # the figures above matter more than the trace
-                result["trace"] = f"failed: {err!r}"[:200]
-        return result
-
-    out = dict(shape=f"{batch} x {seq_len} tokens per step, {steps} steps profiled after 2 warm-up steps")
-    for label in ("bf16", *backends):
-        try:
-            out[label] = profile_one(label)
-        except Exception:  # one broken precision must not cost the others' profiles
-            out[label] = dict(error=traceback.format_exc()[-2000:])
-            print(out[label]["error"], flush=True)
-        if on_device:
-            gc.collect()
-            torch.cuda.empty_cache()
-    return out
-
-
-def bench_moe(device, tokens: int, iters: int, smoke: bool):
-    """(g) One Qwen3-30B-A3B-shaped MoE layer (128 experts, top-8, H 2048, I 768), forward+backward: transformers'
-    BF16 experts (eager loop and `grouped_mm`) vs FP8Experts' grouped Triton kernels; the grouped path is also
-    checked against FP8Experts' per-expert loop on the same backend."""
-    kw = (
-        dict(hidden_size=256, moe_intermediate_size=128, num_experts=8)
-        if smoke
-        else dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128)
-    )
-    torch.manual_seed(0)
-    x = torch.randn(tokens, kw["hidden_size"], device=device, dtype=torch.bfloat16)
-    top_k_index = torch.stack([torch.randperm(kw["num_experts"], device=device)[:8] for _ in range(tokens)])
-    top_k_weights = torch.rand(tokens, 8, device=device, dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-
-    def step(run, x=x):
-        x = x.detach().requires_grad_()
-        run(x, top_k_index, top_k_weights).backward(dy)
-        return x.grad
-
-    out, ref_grad = {}, None
-    for impl in ("eager", "grouped_mm"):
-        config = Qwen3MoeConfig(**kw, num_experts_per_tok=8, hidden_act="silu", experts_implementation=impl)
-        experts = Qwen3MoeExperts(config).to(device=device, dtype=torch.bfloat16)
-        torch.nn.init.normal_(experts.gate_up_proj, std=0.02)
-        torch.nn.init.normal_(experts.down_proj, std=0.02)
-        try:
-            out[f"bf16 {impl}"] = dict(ms=timed(lambda experts=experts: step(experts), device, iters=iters) * 1e3)
-            ref_grad = step(experts)
-        except Exception as err:  # grouped_mm needs a recent GPU and torch
-            out[f"bf16 {impl}"] = dict(error=repr(err)[:200])
-    fp8 = FP8Experts(copy.deepcopy(experts), backend="triton" if device.type == "cuda" else "emulated")
-    ms = timed(lambda: step(fp8), device, iters=iters) * 1e3
-    grad = step(fp8)
-    looped = step(fp8.forward_per_expert)
-    out["fp8 grouped"] = dict(
-        ms=ms, dx_sqnr_vs_bf16_db=sqnr(ref_grad, grad), dx_sqnr_vs_per_expert_db=sqnr(looped, grad)
-    )
-    best_bf16 = min(v["ms"] for k, v in out.items() if k.startswith("bf16") and "ms" in v)
-    out["fp8 grouped"]["ratio_vs_best_bf16"] = best_bf16 / ms
-    if device.type == "cuda":  # plain or warp-specialized TMA kernel, per GEMM shape
-        from trl_fp8.quant.backends import triton_gemm_kernels as tg
-
-        tuners = {"grouped_gemm": tg.grouped_gemm_kernel_tuned, "grouped_wgrad": tg.grouped_wgrad_kernel_tuned}
-        out["fp8 grouped"]["autotuned"] = {
-            f"{name} {key}": str(cfg) for name, tuner in tuners.items() for key, cfg in tuner.cache.items()
-        }
-    return out
 
 
 def main():
