@@ -12,7 +12,6 @@ merged adapters only at sync time would do.
 """
 
 import argparse
-import json
 import logging
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from mismatch import demo_trainer, summarize
+from mismatch import demo_trainer, summarize, write_outputs
 from peft import LoraConfig
 from peft.tuners.lora import Linear as LoraLinear
 from tqdm.auto import tqdm
@@ -30,7 +29,6 @@ import trl_fp8.quant.export as export
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.adapters import effective_weight
 from trl_fp8.quant.lora import FP8LoraLinear
-from trl_fp8.utils.plots import plot_curves
 
 
 CONFIGS = {
@@ -105,15 +103,9 @@ def main():
     keyed = {label.removeprefix("LoRA "): runs for label, runs in results.items()}
     lines = summarize(keyed, min(10, args.steps)).split("\n")
     table = "\n".join(lines[:2] + [line.replace("| ", "| LoRA ", 1) for line in lines[2:]])
-    (out / "lora_mismatch.md").write_text(
-        f"{table}\n\nLoRA r={LORA['r']}, alpha={LORA['lora_alpha']} on every linear, learning rate "
-        f"{args.learning_rate}; {args.steps} GRPO steps of {args.batch} completions per run, seeds {args.seeds}, "
-        f"{minutes:.1f} min in all; mismatch metrics are averaged over each run's steps, then mean ± std over seeds.\n"
-    )
-    (out / "lora_mismatch.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "runs": results}))
-    plot_curves(results, out / "lora_mismatch.png", title="CPU demo, LoRA: reward and learner/sampler mismatch")
-    print(table)
-    print(f"wrote {out / 'lora_mismatch.md'}, .json, .png ({minutes:.1f} min)")
+    setup = f"LoRA r={LORA['r']}, alpha={LORA['lora_alpha']} on every linear, learning rate {args.learning_rate}; "
+    title = "CPU demo, LoRA: reward and learner/sampler mismatch"
+    write_outputs(out, "lora_mismatch", table, setup, args, results, minutes, title)
 
 
 if __name__ == "__main__":

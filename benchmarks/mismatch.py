@@ -171,15 +171,19 @@ def main():
 
     tail = min(10, args.steps)
     table = summarize(results, tail)
-    (out / "mismatch.md").write_text(
-        f"{table}\n\n{args.steps} GRPO steps of {args.batch} completions per run, seeds {args.seeds}, "
-        f"{minutes:.1f} min in all; "
-        "mismatch metrics are averaged over each run's steps, then mean ± std over seeds.\n"
+    write_outputs(out, "mismatch", table, "", args, results, minutes, "CPU demo: reward and learner/sampler mismatch")
+
+
+def write_outputs(out: Path, stem: str, table: str, setup: str, args, results: dict, minutes: float, title: str):
+    """`<stem>.md` (the table and how it was made), `<stem>.json` (every run's log) and `<stem>.png` in `out`."""
+    (out / f"{stem}.md").write_text(
+        f"{table}\n\n{setup}{args.steps} GRPO steps of {args.batch} completions per run, seeds {args.seeds}, "
+        f"{minutes:.1f} min in all; mismatch metrics are averaged over each run's steps, then mean ± std over seeds.\n"
     )
-    (out / "mismatch.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "runs": results}))
-    plot_curves(results, out / "mismatch.png", title="CPU demo: reward and learner/sampler mismatch")
+    (out / f"{stem}.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, "runs": results}))
+    plot_curves(results, out / f"{stem}.png", title=title)
     print(table)
-    print(f"wrote {out / 'mismatch.md'}, {out / 'mismatch.json'}, {out / 'mismatch.png'} ({minutes:.1f} min)")
+    print(f"wrote {out / stem}.md, .json, .png ({minutes:.1f} min)")
 
 
 if __name__ == "__main__":
