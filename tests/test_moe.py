@@ -185,7 +185,9 @@ def test_experts_off_the_block_grid_stay_in_high_precision_with_a_warning():
     model = qwen3_moe()
     model.model.layers[1].mlp.experts.gate_up_proj.data = torch.randn(4, 256, 192)  # hidden 192: not whole blocks
     model.model.layers[1].mlp.experts.down_proj.data = torch.randn(4, 192, 128)
-    with pytest.warns(UserWarning, match=r"model.layers.1.mlp.experts \(experts 128x192\)"):
+    with pytest.warns(
+        UserWarning, match=r"model.layers.1.mlp.experts \(experts 128x192, not in whole 128x128 blocks\)"
+    ):
         convert_to_fp8(model, FP8Recipe())
     assert isinstance(model.model.layers[0].mlp.experts, FP8Experts)
     assert not isinstance(model.model.layers[1].mlp.experts, FP8Experts)

@@ -4,8 +4,10 @@
 Only `nn.Linear` modules inside the text decoder's blocks (`...layers.{i}...`, found with transformers'
 `get_decoder()`, so that a multimodal model's vision tower stays in high precision) are candidates. Never converted:
 `lm_head`, embeddings and norms (not linears, or outside the layers), MoE routers (`...mlp.gate`, `...router`),
-anything the recipe excludes, and layers whose dims are not multiples of the weight block (vLLM cannot serve them in
-block FP8; they stay in high precision, with one warning that lists them).
+anything the recipe excludes, and what trl-fp8 cannot run in FP8, which stays in high precision with one warning that
+lists it: layers whose dims are not multiples of the weight block (vLLM cannot serve them in block FP8), `nn.Linear`
+subclasses with a forward of their own (DeepSeek-V4's block-diagonal `o_a_proj` is not x·Wᵀ), and fused experts in
+another layout than transformers' standard one (GPT-OSS's).
 """
 
 import fnmatch
@@ -83,8 +85,8 @@ def named_linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
-    """Returns `(names to convert, names kept in high precision because of their dims)`, in module order (checkpoint
-    names: for a PEFT LoRA layer, its own name, standing for its base linear)."""
+    """Returns `(names to convert, "name (why)" of those the recipe selects but trl-fp8 keeps in high precision)`, in
+    module order (checkpoint names: for a PEFT LoRA layer, its own name, standing for its base linear)."""
     prefix, num_layers = decoder_layers(model)
     candidates = []
     for name, module in named_linears(model).items():
@@ -105,8 +107,13 @@ def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
             continue
         if any(_matches(name, p) for p in recipe.modules_to_not_convert):
             continue
+        if type(module).forward is not nn.Linear.forward and not isinstance(module, FP8Linear):
+            misaligned.append(f"{name} ({type(module).__name__} has a forward of its own)")
+            continue
         if module.out_features % block_n or module.in_features % block_k:
-            misaligned.append(f"{name} ({module.out_features}x{module.in_features})")
+            misaligned.append(
+                f"{name} ({module.out_features}x{module.in_features}, not in whole {block_n}x{block_k} blocks)"
+            )
             continue
         selected.append(name)
     return selected, misaligned
@@ -114,7 +121,7 @@ def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
 
 def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     """Like `select_fp8_linears`, for transformers' fused MoE experts (`gate_up_proj` (E, 2I, H), `down_proj`)."""
-    from .moe import is_fused_experts
+    from .moe import FP8Experts, is_fused_experts, unsupported_experts_layout
 
     prefix, num_layers = decoder_layers(model)
     candidates = [(n, m, _layer_of(n + ".", prefix)) for n, m in model.named_modules() if is_fused_experts(m)]
@@ -128,9 +135,13 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
             continue
         if any(_matches(name, p) for p in recipe.modules_to_not_convert):
             continue
+        why = None if isinstance(module, FP8Experts) else unsupported_experts_layout(module)
+        if why is not None:
+            misaligned.append(f"{name} ({why})")
+            continue
         _, two_i, hidden = module.gate_up_proj.shape
         if (two_i // 2) % 128 or hidden % 128 or list(recipe.weight_block_size) != [128, 128]:
-            misaligned.append(f"{name} (experts {two_i // 2}x{hidden})")
+            misaligned.append(f"{name} (experts {two_i // 2}x{hidden}, not in whole 128x128 blocks)")
             continue
         selected.append(name)
     return selected, misaligned
@@ -177,13 +188,13 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             "`...layers.{i}` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, DeepSeek, ...), and this model names "
             "them otherwise (e.g. GPT-2-style `h.{i}`), so nothing would run in FP8."
         )
-    selected, misaligned = select_fp8_linears(model, recipe)
-    experts, misaligned_experts = select_fp8_experts(model, recipe)
-    misaligned += misaligned_experts
-    if misaligned:
+    selected, kept = select_fp8_linears(model, recipe)
+    experts, kept_experts = select_fp8_experts(model, recipe)
+    kept += kept_experts
+    if kept:
         warnings.warn(
-            f"trl-fp8: {len(misaligned)} linear layer(s) have dims that are not multiples of the "
-            f"{recipe.weight_block_size} weight block and stay in high precision: {', '.join(misaligned)}",
+            f"trl-fp8: {len(kept)} layer(s) the recipe selects cannot run in FP8 and stay in high precision: "
+            f"{', '.join(kept)}",
             stacklevel=2,
         )
     names = [name for name, _ in model.named_modules()]

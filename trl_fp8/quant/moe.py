@@ -1,5 +1,9 @@
 """Mixture-of-Experts in FP8: transformers' fused experts (`gate_up_proj` (E, 2I, H), `down_proj` (E, H, I)).
 
+Experts in another layout (GPT-OSS: transposed, biased, gate and up interleaved) stay in high precision
+(`unsupported_experts_layout` says why). The activation is the model's own (`_apply_gate`: transformers' SwiGLU,
+or DeepSeek-V4's and GLM-5's clamped one), in the learner and in the sampler.
+
 Each expert's matrix is quantized in its own 128x128 blocks (the quantizer blocks the last two dims, so an (E, N, K)
 tensor is E independent weights). With I a multiple of 128, the blocks of the fused `gate_up_proj` never straddle
 gate and up, so slicing its quantization gives exactly what quantizing `gate_proj` and `up_proj` alone gives: the
@@ -12,6 +16,7 @@ per-expert checkpoint tensors vLLM loads (`...mlp.experts.{e}.gate_proj.weight` 
 The router stays in high precision in both (it is not a fused-experts module).
 """
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -29,6 +34,63 @@ def is_fused_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
+def unsupported_experts_layout(module: nn.Module) -> str | None:
+    """Why `FP8Experts` cannot stand in for these fused experts, or None if it can. It runs transformers' standard
+    layout: `gate_up_proj` (E, 2I, H) with gate and up concatenated, `down_proj` (E, H, I), no biases, no norm
+    after each expert, called as `experts(hidden_states, top_k_index, top_k_weights)`; the flags are the ones
+    transformers' `use_experts_implementation` sets on the module."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    reasons = []
+    if getattr(module, "is_transposed", False):
+        reasons.append("transposed weights")
+    if getattr(module, "has_bias", False) or any(p is not None and "bias" in n for n, p in module._parameters.items()):
+        reasons.append("biases")
+    if not getattr(module, "is_concatenated", True):
+        reasons.append("gate and up interleaved")
+    if getattr(module, "has_post_expert_norm", False):
+        reasons.append("a norm after each expert")
+    e, two_i, hidden = gate_up.shape
+    if not reasons and (two_i % 2 or tuple(down.shape) != (e, hidden, two_i // 2)):
+        reasons.append(
+            f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H), (E, H, I)"
+        )
+    positional = [
+        p
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in positional):
+        reasons.append("called without the router's top-k indices and weights")
+    if getattr(type(module), "_apply_gate", None) is None and not isinstance(
+        getattr(module, "act_fn", None), nn.Module
+    ):
+        reasons.append("no act_fn or _apply_gate")
+    return f"{type(module).__name__}: {', '.join(reasons)}" if reasons else None
+
+
+class ExpertsGate:
+    """The experts' own activation of a `gate_up_proj` output, for the modules that stand in for them."""
+
+    def take_gate(self, experts: nn.Module) -> None:
+        """Takes the experts' class's `_apply_gate` (transformers installs its default, `act_fn(gate) * up`, on every
+        experts class it dispatches; DeepSeek-V4 and GLM-5 clamp first) with the attributes and parameter-free
+        submodules it reads (`act_fn`, `limit`), shared, not copied."""
+        self.experts_class = type(experts)
+        for name, value in vars(experts).items():
+            if not name.startswith("_") and name not in vars(self) and not isinstance(value, torch.Tensor):
+                setattr(self, name, value)
+        for name, child in experts.named_children():
+            if not any(True for _ in child.parameters()) and not hasattr(self, name):
+                setattr(self, name, child)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_fn = getattr(self.experts_class, "_apply_gate", None)
+        if gate_fn is None:  # a fused-experts class that transformers does not dispatch
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate) * up
+        return gate_fn(self, gate_up)
+
+
 def _route(num_experts: int, top_k_index: torch.Tensor):
     """Yields `(expert, top_k_pos, token_idx)` for every expert that received tokens (transformers' loop)."""
     with torch.no_grad():
@@ -40,17 +102,20 @@ def _route(num_experts: int, top_k_index: torch.Tensor):
             yield e, top_k_pos, token_idx
 
 
-class FP8Experts(nn.Module):
+class FP8Experts(ExpertsGate, nn.Module):
     """Fused experts with blockwise-FP8 GEMMs; holds the original module's Parameters (zero copy)."""
 
     def __init__(self, experts: nn.Module, *, backend: str = "auto", pow2_scales: bool = False, name: str = ""):
         super().__init__()
+        why = unsupported_experts_layout(experts)
+        if why is not None:
+            raise ValueError(f"FP8Experts cannot run {name or 'these experts'} ({why})")
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        self.act_fn = experts.act_fn
         self.num_experts = self.gate_up_proj.shape[0]
         self.backend, self.pow2_scales, self.fp8_name = backend, pow2_scales, name
         self._cache: dict[str, tuple] = {}
         self._backends: dict[torch.device, object] = {}
+        self.take_gate(experts)
 
     def __getstate__(self):
         # Copies and pickles carry neither the backend modules (not picklable) nor the caches.
@@ -114,8 +179,8 @@ class FP8Experts(nn.Module):
     def forward_per_expert(self, hidden_states, top_k_index, top_k_weights, out_dtype=None):
         out = torch.zeros_like(hidden_states, dtype=out_dtype)
         for e, top_k_pos, token_idx in _route(self.num_experts, top_k_index):
-            gate, up = self._linear(hidden_states[token_idx], "gate_up_proj", e).chunk(2, dim=-1)
-            h = self._linear(self.act_fn(gate) * up, "down_proj", e)
+            gate_up = self._linear(hidden_states[token_idx], "gate_up_proj", e)
+            h = self._linear(self.activation(gate_up), "down_proj", e)
             h = h * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, h.to(out.dtype))
         return out
@@ -134,21 +199,23 @@ class _W8A8Expert(nn.Module):
         self.down_proj = W8A8Linear(intermediate, hidden, False, **kwargs)
 
 
-class W8A8Experts(nn.ModuleList):
+class W8A8Experts(ExpertsGate, nn.ModuleList):
     """Sampler-side experts in vLLM's per-expert checkpoint names (`experts.{e}.gate_proj.weight`, ...)."""
 
     def __init__(self, experts: nn.Module, dtype: torch.dtype, *, pow2_scales: bool = False):
         e, two_i, h = experts.gate_up_proj.shape
         device = experts.gate_up_proj.device
         super().__init__([_W8A8Expert(h, two_i // 2, dtype, device, pow2_scales) for _ in range(e)])
-        self.act_fn = experts.act_fn
+        # The gate's submodules (`act_fn`) join the list after the experts: `self[e]` stays expert e.
+        self.num_experts = e
+        self.take_gate(experts)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
-        for e, top_k_pos, token_idx in _route(len(self), top_k_index):
+        for e, top_k_pos, token_idx in _route(self.num_experts, top_k_index):
             x = hidden_states[token_idx]
             expert = self[e]
-            h = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            h = expert.down_proj(self.activation(torch.cat([expert.gate_proj(x), expert.up_proj(x)], dim=-1)))
             out.index_add_(0, token_idx, (h * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
         return out
 

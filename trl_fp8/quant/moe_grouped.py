@@ -107,9 +107,9 @@ def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights, 
             x, weight, q, s, qt, groups.tile_expert, groups.segments, experts.pow2_scales, torch.is_grad_enabled()
         )
 
-    gate, up = linear(x, "gate_up_proj").chunk(2, dim=-1)
-    # Padding rows stay zero through act(0) * 0 for the activations MoE models use (SiLU, GELU).
-    y = linear(experts.act_fn(gate) * up, "down_proj")
+    # Padding rows are never read back (`y[groups.dest]`), and rows do not mix in a GEMM, whatever the activation
+    # makes of them.
+    y = linear(experts.activation(linear(x, "gate_up_proj")), "down_proj")
     weights = top_k_weights[groups.token, groups.pos, None]
     # Dropped pairs' rows are zeros; whatever their weight (0 * inf is NaN), they count for nothing, as in the loop.
     weights = torch.where(top_k_index[groups.token, groups.pos, None] < experts.num_experts, weights, 0)
