@@ -2,6 +2,7 @@
 real `datasets.Dataset`, all built in-process. The sampling engine's side of it: tests/test_reference_engine.py."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +308,12 @@ def test_rollout_func_samples_with_the_learners_current_fp8_weights(tmp_path, de
     # The learner scores the rollout's tokens on the sampler's own FP8 grid: log-probs that were not the engine's
     # (or were sampled on stale weights) would show here.
     assert all(log["fp8/sync_bytes"] > 0 and 1.0 <= log["sampling/token_mult_prob_error"] < 1.01 for log in steps)
+
+
+def test_a_recipe_that_converts_nothing_says_so_from_the_users_line(tmp_path, demo_tokenizer):
+    with pytest.warns(UserWarning, match=r"converts none of LlamaForCausalLM's linears") as record:
+        trainer = digit_trainer(tmp_path, demo_tokenizer, fp8_recipe=FP8Recipe(modules_to_not_convert=["layers"]))
+    # The conversion's warnings name the line that built the trainer, not trl-fp8's own code.
+    assert {Path(w.filename).name for w in record if "trl-fp8" in str(w.message)} == {"conftest.py"}
+    logs = train_and_check(trainer)
+    assert trainer.fp8_backend == "none" and "fp8/backend/none" in set().union(*logs)

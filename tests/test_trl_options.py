@@ -3,9 +3,11 @@
 weights bit for bit. Options with dedicated tests elsewhere (loss types, num_iterations, beta, evaluation,
 conversational prompts, bf16, the KV cache, checkpoints) are not repeated here."""
 
+import logging
+
 import pytest
 import torch
-from conftest import tiny_grpo_args, tiny_policy, train_and_check
+from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
 from peft import LoraConfig
 
 from trl_fp8 import FP8GRPOTrainer
@@ -68,3 +70,24 @@ def test_trains_in_fp8_under_trl_option(tmp_path, demo_tokenizer, options):
         held = engine.sampler.get_submodule(name)
         assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(held.weight_scale_inv, s), name
+
+
+@pytest.mark.parametrize(
+    "options,said",
+    [
+        (dict(top_k=20), "top_k=20"),
+        (dict(top_p=0.9, generation_kwargs={"top_k": 5}), "top_k=5, top_p=0.9"),
+        (dict(), None),
+        (dict(top_k=20, vllm_importance_sampling_correction=False), None),  # no correction: nothing scales down
+    ],
+    ids=["top_k", "generation_kwargs", "full_distribution", "no_correction"],
+)
+def test_truncated_sampling_is_pointed_out_at_start(tmp_path, demo_tokenizer, caplog, options, said):
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1, **options)
+    warned = [r.getMessage() for r in caplog.records if "sampling is truncated" in r.getMessage()]
+    assert warned == ([] if said is None else [warned[0]]) and (said is None or f"({said})" in warned[0])
+    if said == "top_k=20":  # what the warning says: the sampler's log-probs exceed the learner's
+        trainer.train()
+        ratio = trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"]
+        assert ratio < 0.9, ratio

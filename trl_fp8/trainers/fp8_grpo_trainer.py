@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import warnings
 from contextlib import contextmanager
 from functools import partial
 
@@ -16,13 +17,19 @@ from ..generation.reference import ReferenceEngine, left_pad
 from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
-from ..quant.convert import convert_to_fp8
+from ..quant.convert import convert_to_fp8, fp8_modules
 from ..quant.export import save_fp8_checkpoint
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear
-from .checks import check_backend_runs_here, check_parameters_unsharded, check_peft_config, check_peft_targets
+from .checks import (
+    check_backend_runs_here,
+    check_parameters_unsharded,
+    check_peft_config,
+    check_peft_targets,
+    warn_truncated_sampling,
+)
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -76,6 +83,7 @@ class FP8GRPOTrainer(GRPOTrainer):
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
         check_parameters_unsharded(args)
+        warn_truncated_sampling(args)
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
             check_kv_cache_supported(model.config)
         recipe = args.resolved_fp8_recipe
@@ -99,11 +107,17 @@ class FP8GRPOTrainer(GRPOTrainer):
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
             check_peft_supported(policy, allow_dropout=not args.fp8_training)
         if args.fp8_training:
-            # With PEFT: the frozen base linears in FP8, each LoRA layer computing with its merged weight in FP8.
-            policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
-            convert_lora_layers(policy)
-            if self.ref_model is not None:
-                convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
+            # Conversion warns about what stays in high precision; the warnings point at the user's line that built
+            # the trainer rather than at this file.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                # With PEFT: the frozen base linears in FP8, each LoRA layer computing with its merged weight in FP8.
+                policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
+                convert_lora_layers(policy)
+                if self.ref_model is not None:
+                    convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
+            for w in caught:
+                warnings.warn(w.message, w.category, stacklevel=2)
             self.fp8_backend = learner_backend(policy, recipe)
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
 
@@ -347,8 +361,10 @@ def _engine_class(engine_class):
 
 
 def learner_backend(policy, recipe) -> str:
-    """Which kernels the converted learner runs on: `te` if its linears are TransformerEngine's, else the GEMM
-    backend `recipe.backend` resolves to on the learner's device."""
+    """Which kernels the converted learner runs on: `none` if nothing was converted, `te` if its linears are
+    TransformerEngine's, else the GEMM backend `recipe.backend` resolves to on the learner's device."""
+    if not fp8_modules(policy):  # the recipe converted nothing (dims off the block grid, exclusions)
+        return "none"
     if any(is_te_linear(m) for m in policy.modules()):
         return "te"
     device = next(policy.parameters()).device

@@ -65,7 +65,7 @@ def plot_curves(
         ax.set_ylabel(f"{key} - 1 (log scale)" if key in log_excess else key)
         if key in log_excess:
             ax.set_yscale("log")
-        ax.set_title(key)
+        ax.set_title(f"{key} - 1 (0: no mismatch)" if key in log_excess else key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
