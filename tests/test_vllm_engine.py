@@ -173,6 +173,16 @@ def test_fp8_kv_cache_is_refused_for_latent_attention():
     assert "kv_cache_dtype" not in fp8_llm_kwargs(tiny_deepseek_v3(), MOONLIGHT_RECIPE)
 
 
+def test_an_architecture_whose_refit_vllm_would_skip_is_refused_before_an_engine_is_built():
+    """vLLM's gpt_oss.py writes experts and attention sinks with `param.data.copy_`, which its layerwise reload (every
+    refit) never sees: the sampler would keep its first weights there."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = tiny_model(GptOssConfig, GptOssForCausalLM, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(NotImplementedError, match=r"cannot refit gpt_oss models.*experts.*fp8_generation=False"):
+        fp8_llm_kwargs(model, FP8Recipe())
+
+
 def test_latent_attention_runs_eagerly_on_vllm_before_0_31():
     """Before 0.31 vLLM re-derives MLA's W_UV / W_UK_T as new tensors at each reload, which captured CUDA graphs
     would not see."""

@@ -103,6 +103,27 @@ def vllm_quantization_config(recipe, ignored_layers: list[str]) -> dict:
     }
 
 
+# vLLM models whose `load_weights` writes some parameters with `param.data.copy_` instead of their `weight_loader`.
+# Every refit goes through vLLM's layerwise reload, which keeps parameters on the meta device until their loaders have
+# filled them: those writes land nowhere, and vLLM puts its previous values back with no more than a logged warning,
+# so the sampler would keep its first weights there (read in vLLM 0.22.0's and 0.31.0's source).
+RELOAD_SKIPS = {
+    "gpt_oss": "its experts (weights and biases) and attention sinks (gpt_oss.py, `_load_weights_other`)",
+}
+
+
+def check_reloadable(config) -> None:
+    """Refuses an architecture whose weights vLLM's layerwise reload would leave stale (`RELOAD_SKIPS`)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text_config, "model_type", None)
+    if model_type in RELOAD_SKIPS:
+        raise NotImplementedError(
+            f"fp8_generation with vLLM cannot refit {model_type} models: vLLM's layerwise reload does not load "
+            f"{RELOAD_SKIPS[model_type]}, so the sampler would keep stale weights. Use fp8_generation=False (TRL's "
+            "own BF16 vLLM engine) or use_vllm=False (trl-fp8's FP8 reference engine)."
+        )
+
+
 def fp8_llm_kwargs(
     model,
     recipe,
@@ -116,6 +137,7 @@ def fp8_llm_kwargs(
     installed `vllm_version`."""
     if tuple(recipe.weight_block_size) != (128, 128):
         raise ValueError(f"vLLM serves block FP8 in 128x128 blocks; fp8_recipe has {recipe.weight_block_size}")
+    check_reloadable(model.config)
     user_kwargs = check_llm_kwargs(user_kwargs)
     ignored = check_vllm_fp8_layers(model, recipe, tp_size)
     hf_overrides = dict(user_kwargs.pop("hf_overrides", None) or {})
