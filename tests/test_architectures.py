@@ -11,45 +11,17 @@ import warnings
 
 import pytest
 import torch
-import transformers
 from conftest import ACCUMULATION_DB, sqnr_db, tiny_grpo_args, triton_marks
 
 from trl_fp8 import FP8GRPOTrainer, convert_to_fp8, iter_fp8_state
+from trl_fp8.demo.families import FAMILIES, available, tiny, varied_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.quant import fp8_modules
 from trl_fp8.quant.moe import FP8Experts, W8A8Experts, iter_expert_pairs
 
 
-TINY = dict(
-    vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=64, tie_word_embeddings=False,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
-)  # fmt: skip
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
-HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])  # Gated DeltaNet + attention
-FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", MOE | HYBRID),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=16)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
-    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),  # gate and up fused on disk, as in Phi-3
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
-    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}),
-    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {}),
-    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
-    "phi": ("PhiConfig", "PhiForCausalLM", {}),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}),  # short convolutions between the linears
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-}
 # What each family keeps in high precision beyond the defaults, as the warning names it.
-# Gated DeltaNet's per-head decay and beta projections have one row per value head (32): vLLM keeps them in BF16 too.
+# Gated DeltaNet's per-head decay and beta projections have one row per value head: fewer than a 128-row block.
 SMALL = r"linear_attn.in_proj_b \(32x256, not in whole 128x128 blocks\)"
 KEPT = {
     "qwen3_5": SMALL,
@@ -58,19 +30,13 @@ KEPT = {
 }
 
 
-def tiny(family: str, **overrides) -> torch.nn.Module:
-    config_class, model_class, extra = (FAMILIES | LAYERS_ONLY)[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**(TINY | extra | overrides))
-    return getattr(transformers, model_class)(config)
+def families(*names: str) -> list:
+    return [
+        pytest.param(f, marks=pytest.mark.skipif(not available(f), reason=f"transformers has no {f}")) for f in names
+    ]
 
 
-def varied_reward(completions: list[str], **kwargs) -> list[float]:
-    """Differs between almost any two completions, so that every group has advantages to learn from."""
-    return [sum(map(ord, c)) % 17 / 17 for c in completions]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families(*FAMILIES))
 def test_each_family_trains_in_fp8_with_a_bit_identical_sampler(tmp_path, demo_tokenizer, family):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -109,32 +75,13 @@ def test_each_family_trains_in_fp8_with_a_bit_identical_sampler(tmp_path, demo_t
         assert torch.equal(held[name].view(torch.uint8), q.view(torch.uint8)), name
 
 
-V4 = dict(
-    moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_key_value_heads=1,
-    head_dim=128, q_lora_rank=128, o_lora_rank=128, o_groups=2, index_n_heads=2, index_head_dim=64, index_topk=16,
-    qk_rope_head_dim=64, sliding_window=16, num_nextn_predict_layers=0,
-)  # fmt: skip
-HY_V4 = dict(
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, num_key_value_heads=4, q_lora_rank=128,
-    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=64,
-    index_topk=16, mlp_layer_types=["dense", "sparse"], layer_types=None, indexer_types=["full", "shared"],
-)  # fmt: skip
-# Built for their layers only: TRL's GRPOTrainer does not train DeepSeek-V4 yet (its config has no `num_experts` for
-# TRL's load-balancing loss), and HY-V4's sparse-attention indexer gets no gradient from GRPO's loss (in BF16 too), so
-# the sweep's "every FP8 weight trains" does not hold for it.
-LAYERS_ONLY = {
-    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", V4),
-    "hy_v4": ("HYV4Config", "HYV4ForCausalLM", HY_V4),
-}
-
-
 def first_experts(model):
     return next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
 
 
 # `triton` runs every expert in one grouped kernel per GEMM (its CPU interpreter here), `emulated` loops over them.
 @pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=triton_marks())])
-@pytest.mark.parametrize("family", ["deepseek_v4", "hy_v4"])
+@pytest.mark.parametrize("family", families("deepseek_v4", "hy_v4"))
 def test_experts_keep_the_models_clamped_activation_in_the_learner_and_the_sampler(family, backend):
     experts = first_experts(tiny(family))
     e, two_i, hidden = experts.gate_up_proj.shape
@@ -172,6 +119,7 @@ def test_experts_keep_the_models_clamped_activation_in_the_learner_and_the_sampl
         assert sqnr_db(reference, sampler(x, top_k_index, top_k_weights)) > 20
 
 
+@pytest.mark.skipif(not available("deepseek_v4"), reason="transformers has no DeepSeek-V4")
 def test_a_linear_with_a_forward_of_its_own_stays_in_high_precision():
     model = tiny("deepseek_v4").eval()
     ids = torch.randint(3, 19, (2, 12))
@@ -187,6 +135,7 @@ def test_a_linear_with_a_forward_of_its_own_stays_in_high_precision():
         assert sqnr_db(reference, model(ids).logits) > 15
 
 
+@pytest.mark.skipif(not available("gpt_oss"), reason="transformers has no GPT-OSS")
 def test_experts_in_another_layout_are_refused_by_name():
     experts = first_experts(tiny("gpt_oss"))
     with pytest.raises(

@@ -105,6 +105,24 @@ def test_lora_mismatch_benchmark_quick(tmp_path):
     assert (tmp_path / "lora_mismatch.png").stat().st_size > 10_000 and (tmp_path / "lora_mismatch.md").exists()
 
 
+def test_families_benchmark_quick(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "families.py"), "--quick", "--output_dir", str(tmp_path)]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    runs = json.loads((tmp_path / "families.json").read_text())["runs"]
+    assert set(runs) == {"qwen3", "qwen3_5", "gpt_oss"}
+    assert runs["gpt_oss"]["kept"] == [
+        "mlp.experts (GptOssExperts: transposed weights, biases, gate and up interleaved)"
+    ]
+    for family, entry in runs.items():  # the paper's ordering, family by family
+        mean = {c: sum(entry[c]["errors"]) / len(entry[c]["errors"]) for c in ("BF16/BF16", "FP8/FP8")}
+        generation_only = entry["FP8 generation only"]["errors"]
+        assert mean["BF16/BF16"] < 1.0001 and mean["FP8/FP8"] < sum(generation_only) / len(generation_only), family
+    assert (tmp_path / "families.png").stat().st_size > 10_000 and "| qwen3_5 |" in (
+        tmp_path / "families.md"
+    ).read_text()
+
+
 def test_gpu_bench_smoke(tmp_path):
     # The GPU benchmark's plumbing, on tiny shapes (on CPU it times the emulated backend: the figures mean nothing).
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--output_dir", str(tmp_path)]

@@ -1,0 +1,73 @@
+"""Tiny random models of many transformers families (every linear dim a multiple of 128, vocabulary 128 as the demo
+tokenizer's), built in-process from their configs, for `tests/test_architectures.py` and `benchmarks/families.py`;
+no Hub. `FAMILIES` train under TRL's GRPOTrainer; `LAYERS_ONLY` are built for their layers."""
+
+import torch
+import transformers
+
+
+TINY = dict(
+    vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=64, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
+HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])  # Gated DeltaNet + attention
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", MOE | HYBRID),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=16)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),  # gate and up fused on disk, as in Phi-3
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}),  # short convolutions between the linears
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+V4 = dict(
+    moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_key_value_heads=1,
+    head_dim=128, q_lora_rank=128, o_lora_rank=128, o_groups=2, index_n_heads=2, index_head_dim=64, index_topk=16,
+    qk_rope_head_dim=64, sliding_window=16, num_nextn_predict_layers=0,
+)  # fmt: skip
+HY_V4 = dict(
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, num_key_value_heads=4, q_lora_rank=128,
+    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, index_n_heads=2, index_head_dim=64,
+    index_topk=16, mlp_layer_types=["dense", "sparse"], layer_types=None, indexer_types=["full", "shared"],
+)  # fmt: skip
+# Built for their layers only: TRL's GRPOTrainer does not train DeepSeek-V4 yet (its config has no `num_experts` for
+# TRL's load-balancing loss), and HY-V4's sparse-attention indexer gets no gradient from GRPO's loss (in BF16 too), so
+# the sweep's "every FP8 weight trains" does not hold for it.
+LAYERS_ONLY = {
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", V4),
+    "hy_v4": ("HYV4Config", "HYV4ForCausalLM", HY_V4),
+}
+
+
+def available(family: str) -> bool:
+    """Whether the installed transformers has `family` (the newest families arrived after the oldest version
+    trl-fp8 supports)."""
+    config_class, model_class, _ = (FAMILIES | LAYERS_ONLY)[family]
+    return hasattr(transformers, config_class) and hasattr(transformers, model_class)
+
+
+def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A seeded tiny model of `family` (a key of `FAMILIES` or `LAYERS_ONLY`), its config updated by `overrides`."""
+    config_class, model_class, extra = (FAMILIES | LAYERS_ONLY)[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**(TINY | extra | overrides))
+    return getattr(transformers, model_class)(config)
+
+
+def varied_reward(completions: list[str], **kwargs) -> list[float]:
+    """Differs between almost any two completions, so that every group has advantages to learn from."""
+    return [sum(map(ord, c)) % 17 / 17 for c in completions]
