@@ -12,7 +12,8 @@ import torch
 from conftest import TP_READY, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
+from trl_fp8 import FP8Recipe, convert_to_fp8, dequantize_blockwise, iter_fp8_state
+from trl_fp8.demo.families import available, tiny
 from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3, tiny_qwen3_moe
 from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
@@ -205,3 +206,60 @@ def test_mla_fused_a_projections_need_one_precision():
     for layer in vllm_linears(model, 2):
         if layer.name.endswith("fused_qkv_a_proj"):
             assert layer.tp_size == 1 and layer.output_partition_sizes == whole[layer.name].output_partition_sizes
+
+
+def gpt_neox(head_dim: int):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=128, hidden_size=4 * head_dim, num_attention_heads=4, intermediate_size=512, num_hidden_layers=2
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+def vllm_repack_qkv(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What vLLM's gpt_neox.py (`_repack_qkv`, 0.22.0 to 0.31.0) does to every tensor named query_key_value."""
+    shape = tensor.shape
+    return tensor.view((num_heads, 3, -1) + shape[1:]).transpose(0, 1).reshape(shape)
+
+
+def test_gpt_neox_qkv_keeps_its_grid_through_vllms_reordering_at_head_dim_128():
+    model = convert_to_fp8(gpt_neox(head_dim=128))
+    assert check_vllm_fp8_layers(model, FP8Recipe()) == []
+    stream = dict(iter_fp8_state(model))
+    q = stream["gpt_neox.layers.0.attention.query_key_value.weight"]
+    s = stream["gpt_neox.layers.0.attention.query_key_value.weight_scale_inv"]
+    # Re-ordering the codes and the scales as vLLM does gives the re-ordered weight, value for value.
+    assert torch.equal(
+        dequantize_blockwise(vllm_repack_qkv(q, 4), vllm_repack_qkv(s, 4), (128, 128)),
+        vllm_repack_qkv(dequantize_blockwise(q, s, (128, 128)), 4),
+    )
+
+
+def test_gpt_neox_qkv_with_heads_smaller_than_a_block_is_refused_naming_the_fix():
+    model = gpt_neox(head_dim=64)  # Pythia up to 410M
+    with pytest.raises(ValueError, match=r"layers.0.attention.query_key_value.*head_dim 64.*modules_to_not_convert"):
+        check_vllm_fp8_layers(model, FP8Recipe())
+    kept = FP8Recipe(modules_to_not_convert=["attention.query_key_value"])
+    assert "gpt_neox.layers.0.attention.query_key_value" in check_vllm_fp8_layers(model, kept)
+
+
+@pytest.mark.skipif(not available("qwen3_5"), reason="transformers has no Qwen3.5")
+def test_qwen3_5_gated_deltanet_as_vllm_fuses_it():
+    """vLLM packs in_proj_qkv + in_proj_z into in_proj_qkvz (cut into q, k, v and z) and in_proj_b + in_proj_a into
+    in_proj_ba, and gates attention through a q_proj of twice the rows (`qwen3_5.py`, `qwen_gdn_linear_attn.py`)."""
+    model = tiny("qwen3_5", head_dim=128)
+    kept = check_vllm_fp8_layers(model, FP8Recipe(), tp_size=2)
+    assert {"model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a"} <= set(kept)
+    layers = {layer.name: layer for layer in vllm_linears(model, tp_size=2)}
+    qkvz = layers["model.layers.0.linear_attn.in_proj_qkvz"]
+    assert qkvz.output_partition_sizes == (16 * 128 // 2, 16 * 128 // 2, 32 * 128 // 2, 32 * 128 // 2)
+    assert layers["model.layers.1.self_attn.qkv_proj"].output_partition_sizes == (2 * 4 * 128 // 2, 128, 128)
+    # vLLM refuses a fused layer whose shards differ in precision ("Detected some but not all shards").
+    with pytest.raises(ValueError, match=r"fuses model.layers.0.linear_attn.in_proj_qkvz and needs all its shards"):
+        check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["in_proj_z"]))
+    # Two key heads of 64 put 64 rows of q on each of 2 ranks: the part inside in_proj_qkv is named.
+    narrow = tiny("qwen3_5", head_dim=128, linear_num_key_heads=2, linear_key_head_dim=64)
+    with pytest.raises(ValueError, match=r"the q part of model.layers.0.linear_attn.in_proj_qkvz per rank is 64"):
+        check_vllm_fp8_layers(narrow, FP8Recipe(), tp_size=2)

@@ -33,6 +33,8 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # q/k/v interleaved per head in one `query_key_value`; heads of 128 keep vLLM's re-ordering on the block grid.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=512, head_dim=128)),
 }
 V4 = dict(
     moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_key_value_heads=1,

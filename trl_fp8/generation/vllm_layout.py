@@ -22,15 +22,18 @@ from ..quant.convert import named_linears, select_fp8_experts, select_fp8_linear
 from ..quant.export import PRE_FUSED, high_precision_modules
 
 
-# vLLM's stacked-parameter mappings: Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention) and
-# DeepSeek-V3's MLA, whose `fused_qkv_a_proj` is replicated on every rank (no TP split).
+# vLLM's stacked-parameter mappings: Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention),
+# DeepSeek-V3's MLA, whose `fused_qkv_a_proj` is replicated on every rank (no TP split), and Qwen3.5's Gated DeltaNet
+# (`qwen3_5.py`'s packed modules; `in_proj_qkvz` is cut into q, k, v and z, `qwen_gdn_linear_attn.py`).
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 REPLICATED = ("fused_qkv_a_proj",)
-ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 
 
 @dataclass
@@ -71,19 +74,25 @@ class VLLMLinear:
         return None
 
 
-def _attention_rows(config, tp_size: int) -> dict[str, int]:
-    """Rows of q, k and v on one rank: KV heads are replicated when there are fewer of them than ranks."""
+def _attention_rows(config, tp_size: int, q_gated: bool = False) -> dict[str, int]:
+    """Rows of q, k and v on one rank: KV heads are replicated when there are fewer of them than ranks; a gated q
+    (Qwen3.5, Qwen3-Next: the output gate folded into q_proj) has twice the rows."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_per_rank = max(1, kv_heads // tp_size)
-    return {"q_proj": heads // tp_size * head_dim, "k_proj": kv_per_rank * head_dim, "v_proj": kv_per_rank * head_dim}
+    q_rows = heads // tp_size * head_dim * (2 if q_gated else 1)
+    return {"q_proj": q_rows, "k_proj": kv_per_rank * head_dim, "v_proj": kv_per_rank * head_dim}
 
 
 def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
     """The linears vLLM builds for `model`'s decoder layers on one rank (fused where vLLM fuses)."""
     modules = named_linears(model)
-    attention = _attention_rows(model.config, tp_size)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    q_gated = any(n.endswith(".q_proj") and m.out_features == 2 * heads * head_dim for n, m in modules.items())
+    attention = _attention_rows(config, tp_size, q_gated)
     out = []
     for name, module in modules.items():
         parent, _, leaf = name.rpartition(".")
@@ -94,8 +103,13 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
                 continue
             tp = 1 if fused in REPLICATED else tp_size
             rows = tuple(attention.get(s.rpartition(".")[2], modules[s].out_features // tp) for s in shards)
+            parts = ()
+            if fused == "in_proj_qkvz":  # in_proj_qkv holds q, k and v: four partitions, each in whole blocks
+                qk, value = rows[0] - rows[1], rows[1]  # in_proj_qkv: (2 key + value) / tp rows; in_proj_z: value / tp
+                rows, parts = (qk // 2, qk // 2, value, value), ("q", "k", "v", "z")
+                parts = tuple(f"the {p} part of {parent}.{fused}" for p in parts)
             k = module.in_features
-            out.append(VLLMLinear(f"{parent}.{fused}", shards, k, k, rows, tp))
+            out.append(VLLMLinear(f"{parent}.{fused}", shards, k, k, rows, tp, parts))
         elif leaf in ROW_PARALLEL:
             k = module.in_features
             out.append(VLLMLinear(name, (name,), k, k // tp_size, (module.out_features,), tp_size))
@@ -130,6 +144,7 @@ def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[st
                 f"intermediate size per rank is {intermediate // tp_size}, not a multiple of 128. Use another "
                 "tensor-parallel size, or keep the experts in high precision with FP8Recipe.modules_to_not_convert."
             )
+    check_interleaved_qkv(model, fp8, tuple(recipe.weight_block_size))
     for layer in vllm_linears(model, tp_size):
         in_fp8 = [s in fp8 for s in layer.shards]
         if any(in_fp8) and not all(in_fp8):
@@ -149,3 +164,22 @@ def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[st
                     "size, or keep the layer in high precision with FP8Recipe.modules_to_not_convert."
                 )
     return kept
+
+
+def check_interleaved_qkv(model: nn.Module, fp8: set[str], block: tuple[int, int]) -> None:
+    """GPT-NeoX stores `query_key_value` rows as (heads, 3, head_dim), and vLLM's `gpt_neox.py` re-orders every tensor
+    of that name to (3, heads, head_dim) as it loads (`_repack_qkv`, `weight_scale_inv` included). Moving whole
+    128-row blocks, this keeps the learner's grid when head_dim is a multiple of the block; otherwise blocks straddle
+    heads, the scales cannot follow, and vLLM's reshape fails at the first refit: refused here, naming the layer."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "model_type", None) != "gpt_neox":
+        return
+    head_dim = config.hidden_size // config.num_attention_heads
+    interleaved = sorted(n for n in fp8 if n.rpartition(".")[2] == "query_key_value")
+    if interleaved and head_dim % block[0]:
+        raise ValueError(
+            f"vLLM cannot serve {interleaved[0]} in block FP8: it re-orders GPT-NeoX's query_key_value rows from "
+            f"(heads, 3, head_dim) to (3, heads, head_dim) while loading, and head_dim {head_dim} is not a multiple "
+            f"of the {block[0]}-row weight block, so the block scales cannot follow. Keep it in high precision: "
+            "FP8Recipe(modules_to_not_convert=['attention.query_key_value'])."
+        )
