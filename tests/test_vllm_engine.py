@@ -15,10 +15,12 @@ from conftest import tiny_grpo_args, tiny_model, tiny_policy
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
+from trl_fp8.demo.families import available, tiny
 from trl_fp8.demo.task import digit_count_reward
 from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3
 from trl_fp8.generation.vllm_fp8 import (
     VLLM_SPECIFIER,
+    check_architecture,
     check_vllm_version,
     deep_gemm_e8m0_env,
     fp8_llm_kwargs,
@@ -268,3 +270,24 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     if kv_cache:
         torch.testing.assert_close(torch.tensor(out["kv_scales_served"]), torch.tensor(out["kv_scales_sent"]))
     assert out["memory_growth_bytes"] < 16 * 2**20
+
+
+@pytest.mark.skipif(not available("qwen3_5"), reason="transformers has no Qwen3.5")
+def test_a_text_policy_from_a_vision_language_checkpoint_is_refused_naming_the_fix(tmp_path):
+    """transformers' AutoModelForCausalLM loads Qwen3.5's vision-language checkpoints as the text model; vLLM builds
+    the multimodal model their config.json names, whose weights are named otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = tiny("qwen3_5").config.to_dict()
+    vision = dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=256, patch_size=8)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path)
+    architectures = AutoConfig.from_pretrained(tmp_path).architectures
+    assert type(policy).__name__ == "Qwen3_5ForCausalLM" and architectures == ["Qwen3_5ForConditionalGeneration"]
+    with pytest.raises(
+        ValueError, match=r"builds Qwen3_5ForConditionalGeneration.*policy is Qwen3_5ForCausalLM.*save"
+    ):
+        check_architecture(policy, architectures)
+    policy.save_pretrained(tmp_path / "text")  # the fix the message gives
+    check_architecture(policy, AutoConfig.from_pretrained(tmp_path / "text").architectures)
+    check_architecture(tiny("qwen3"), ["Qwen3ForCausalLM"])

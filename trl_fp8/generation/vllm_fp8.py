@@ -124,6 +124,20 @@ def check_reloadable(config) -> None:
         )
 
 
+def check_architecture(policy, architectures: list[str] | None) -> None:
+    """Refuses a text policy loaded from a vision-language checkpoint (Qwen3.5's, whose text model transformers'
+    `AutoModelForCausalLM` gives): vLLM builds the multimodal model its `config.json` names, which expects
+    `model.language_model.*` where the policy streams `model.layers.*`, so every refit would miss them."""
+    name = type(policy).__name__
+    multimodal = [a for a in architectures or () if a.endswith("ForConditionalGeneration")]
+    if multimodal and name not in multimodal:
+        raise ValueError(
+            f"vLLM builds {multimodal[0]} from {policy.name_or_path}'s config.json, but the policy is {name}, whose "
+            f"weights are named otherwise: the FP8 refit would not find them. Save the policy as it is "
+            "(`model.save_pretrained(folder)`, with its tokenizer) and pass that folder as the model."
+        )
+
+
 def fp8_llm_kwargs(
     model,
     recipe,
@@ -271,6 +285,9 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
                 "colocated vLLM reads the model's config from `model.name_or_path`, which is empty: save the model "
                 "(save_pretrained) and pass its folder to FP8GRPOTrainer"
             )
+        from transformers import AutoConfig
+
+        check_architecture(policy, getattr(AutoConfig.from_pretrained(policy.name_or_path), "architectures", None))
         overrides = fp8_llm_kwargs(
             policy,
             self.recipe,
