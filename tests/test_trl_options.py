@@ -77,17 +77,18 @@ def test_trains_in_fp8_under_trl_option(tmp_path, demo_tokenizer, options):
     [
         (dict(top_k=20), "top_k=20"),
         (dict(top_p=0.9, generation_kwargs={"top_k": 5}), "top_k=5, top_p=0.9"),
+        (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
         (dict(), None),
         (dict(top_k=20, vllm_importance_sampling_correction=False), None),  # no correction: nothing scales down
     ],
-    ids=["top_k", "generation_kwargs", "full_distribution", "no_correction"],
+    ids=["top_k", "generation_kwargs", "repetition_penalty", "full_distribution", "no_correction"],
 )
 def test_truncated_sampling_is_pointed_out_at_start(tmp_path, demo_tokenizer, caplog, options, said):
     with caplog.at_level(logging.WARNING, logger="trl_fp8"):
         trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1, **options)
-    warned = [r.getMessage() for r in caplog.records if "sampling is truncated" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "sampling is truncated or penalized" in r.getMessage()]
     assert warned == ([] if said is None else [warned[0]]) and (said is None or f"({said})" in warned[0])
     if said == "top_k=20":  # what the warning says: the sampler's log-probs exceed the learner's
         trainer.train()
         ratio = trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"]
-        assert ratio < 0.9, ratio
+        assert ratio < 0.5, ratio  # 0.25 at seed 0: the top 20 of 128 hold about a quarter of a random policy's mass

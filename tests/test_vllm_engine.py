@@ -27,6 +27,7 @@ from trl_fp8.generation.vllm_fp8 import (
     refit,
     reload_in_config,
     validate_stream,
+    vllm_architectures,
 )
 from trl_fp8.trainers import FP8GRPOConfig
 
@@ -276,18 +277,22 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
 def test_a_text_policy_from_a_vision_language_checkpoint_is_refused_naming_the_fix(tmp_path):
     """transformers' AutoModelForCausalLM loads Qwen3.5's vision-language checkpoints as the text model; vLLM builds
     the multimodal model their config.json names, whose weights are named otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = tiny("qwen3_5").config.to_dict()
     vision = dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=256, patch_size=8)
     Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(tmp_path)
     policy = AutoModelForCausalLM.from_pretrained(tmp_path)
-    architectures = AutoConfig.from_pretrained(tmp_path).architectures
+    architectures = vllm_architectures(str(tmp_path), None)
     assert type(policy).__name__ == "Qwen3_5ForCausalLM" and architectures == ["Qwen3_5ForConditionalGeneration"]
     with pytest.raises(
         ValueError, match=r"builds Qwen3_5ForConditionalGeneration.*policy is Qwen3_5ForCausalLM.*save"
     ):
         check_architecture(policy, architectures)
     policy.save_pretrained(tmp_path / "text")  # the fix the message gives
-    check_architecture(policy, AutoConfig.from_pretrained(tmp_path / "text").architectures)
+    check_architecture(policy, vllm_architectures(str(tmp_path / "text"), None))
+    # The user's hf_overrides decide what vLLM builds.
+    check_architecture(
+        policy, vllm_architectures(str(tmp_path), {"hf_overrides": {"architectures": ["Qwen3_5ForCausalLM"]}})
+    )
     check_architecture(tiny("qwen3"), ["Qwen3ForCausalLM"])

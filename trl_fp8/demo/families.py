@@ -47,11 +47,16 @@ HY_V4 = dict(
     index_topk=16, mlp_layer_types=["dense", "sparse"], layer_types=None, indexer_types=["full", "shared"],
 )  # fmt: skip
 # Built for their layers only: TRL's GRPOTrainer does not train DeepSeek-V4 yet (its config has no `num_experts` for
-# TRL's load-balancing loss), and HY-V4's sparse-attention indexer gets no gradient from GRPO's loss (in BF16 too), so
-# the sweep's "every FP8 weight trains" does not hold for it.
+# TRL's load-balancing loss), HY-V4's sparse-attention indexer gets no gradient from GRPO's loss (in BF16 too), so
+# the sweep's "every FP8 weight trains" does not hold for it, and Llama 4 is there for its experts' layout.
 LAYERS_ONLY = {
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", V4),
     "hy_v4": ("HYV4Config", "HYV4ForCausalLM", HY_V4),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=256, interleave_moe_layer_step=1),
+    ),
 }
 
 

@@ -124,6 +124,17 @@ def check_reloadable(config) -> None:
         )
 
 
+def vllm_architectures(path: str, vllm_llm_kwargs: dict | None) -> list[str] | None:
+    """The architectures vLLM builds for `path`: its raw `config.json`'s (read without running remote code), unless
+    the user's `hf_overrides` set them."""
+    from transformers import PretrainedConfig
+
+    overrides = (vllm_llm_kwargs or {}).get("hf_overrides") or {}
+    if "architectures" in overrides:
+        return overrides["architectures"]
+    return PretrainedConfig.get_config_dict(path)[0].get("architectures")
+
+
 def check_architecture(policy, architectures: list[str] | None) -> None:
     """Refuses a text policy loaded from a vision-language checkpoint (Qwen3.5's, whose text model transformers'
     `AutoModelForCausalLM` gives): vLLM builds the multimodal model its `config.json` names, which expects
@@ -285,9 +296,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
                 "colocated vLLM reads the model's config from `model.name_or_path`, which is empty: save the model "
                 "(save_pretrained) and pass its folder to FP8GRPOTrainer"
             )
-        from transformers import AutoConfig
-
-        check_architecture(policy, getattr(AutoConfig.from_pretrained(policy.name_or_path), "architectures", None))
+        check_architecture(policy, vllm_architectures(policy.name_or_path, self.vllm_llm_kwargs))
         overrides = fp8_llm_kwargs(
             policy,
             self.recipe,

@@ -74,25 +74,20 @@ class VLLMLinear:
         return None
 
 
-def _attention_rows(config, tp_size: int, q_gated: bool = False) -> dict[str, int]:
-    """Rows of q, k and v on one rank: KV heads are replicated when there are fewer of them than ranks; a gated q
-    (Qwen3.5, Qwen3-Next: the output gate folded into q_proj) has twice the rows."""
+def _attention_rows(config, tp_size: int) -> dict[str, int]:
+    """Rows of q, k and v on one rank: KV heads are replicated when there are fewer of them than ranks."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_per_rank = max(1, kv_heads // tp_size)
-    q_rows = heads // tp_size * head_dim * (2 if q_gated else 1)
-    return {"q_proj": q_rows, "k_proj": kv_per_rank * head_dim, "v_proj": kv_per_rank * head_dim}
+    return {"q_proj": heads // tp_size * head_dim, "k_proj": kv_per_rank * head_dim, "v_proj": kv_per_rank * head_dim}
 
 
 def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
     """The linears vLLM builds for `model`'s decoder layers on one rank (fused where vLLM fuses)."""
     modules = named_linears(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    q_gated = any(n.endswith(".q_proj") and m.out_features == 2 * heads * head_dim for n, m in modules.items())
-    attention = _attention_rows(config, tp_size, q_gated)
+    attention = _attention_rows(config, tp_size)
     out = []
     for name, module in modules.items():
         parent, _, leaf = name.rpartition(".")
@@ -103,6 +98,9 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
                 continue
             tp = 1 if fused in REPLICATED else tp_size
             rows = tuple(attention.get(s.rpartition(".")[2], modules[s].out_features // tp) for s in shards)
+            if fused == "qkv_proj" and module.out_features == 2 * attention["q_proj"] * tp_size:
+                # A gated q_proj (Qwen3.5, Qwen3-Next: the attention output gate folded into it): twice the rows.
+                rows = (2 * rows[0], *rows[1:])
             parts = ()
             if fused == "in_proj_qkvz":  # in_proj_qkv holds q, k and v: four partitions, each in whole blocks
                 qk, value = rows[0] - rows[1], rows[1]  # in_proj_qkv: (2 key + value) / tp rows; in_proj_z: value / tp

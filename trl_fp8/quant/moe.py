@@ -2,7 +2,7 @@
 
 Experts in another layout (GPT-OSS: transposed, biased, gate and up interleaved) stay in high precision
 (`unsupported_experts_layout` says why). The activation is the model's own (`_apply_gate`: transformers' SwiGLU,
-or DeepSeek-V4's and GLM-5's clamped one), in the learner and in the sampler.
+or DeepSeek-V4's and HY-V4's clamped one), in the learner and in the sampler.
 
 Each expert's matrix is quantized in its own 128x128 blocks (the quantizer blocks the last two dims, so an (E, N, K)
 tensor is E independent weights). With I a multiple of 128, the blocks of the fused `gate_up_proj` never straddle
@@ -61,9 +61,7 @@ def unsupported_experts_layout(module: nn.Module) -> str | None:
     ]
     if len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in positional):
         reasons.append("called without the router's top-k indices and weights")
-    if getattr(type(module), "_apply_gate", None) is None and not isinstance(
-        getattr(module, "act_fn", None), nn.Module
-    ):
+    if getattr(type(module), "_apply_gate", None) is None and not callable(getattr(module, "act_fn", None)):
         reasons.append("no act_fn or _apply_gate")
     return f"{type(module).__name__}: {', '.join(reasons)}" if reasons else None
 
@@ -73,15 +71,18 @@ class ExpertsGate:
 
     def take_gate(self, experts: nn.Module) -> None:
         """Takes the experts' class's `_apply_gate` (transformers installs its default, `act_fn(gate) * up`, on every
-        experts class it dispatches; DeepSeek-V4 and GLM-5 clamp first) with the attributes and parameter-free
-        submodules it reads (`act_fn`, `limit`), shared, not copied."""
+        experts class it dispatches; DeepSeek-V4 and HY-V4 clamp first) with the attributes and parameter-free
+        submodules it reads (`act_fn`, `limit`), shared, not copied. Nothing this module already has is replaced: an
+        instance `forward` that accelerate's hooks put on the experts would otherwise bypass the FP8 GEMMs. The
+        submodules are not registered, so that `W8A8Experts`, a list of experts, holds experts only."""
         self.experts_class = type(experts)
-        for name, value in vars(experts).items():
-            if not name.startswith("_") and name not in vars(self) and not isinstance(value, torch.Tensor):
-                setattr(self, name, value)
-        for name, child in experts.named_children():
-            if not any(True for _ in child.parameters()) and not hasattr(self, name):
-                setattr(self, name, child)
+        children = {
+            name: child for name, child in experts.named_children() if not any(True for _ in child.parameters())
+        }
+        for name, value in {**vars(experts), **children}.items():
+            if name.startswith("_") or hasattr(self, name) or isinstance(value, torch.Tensor):
+                continue
+            self.__dict__[name] = value
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate_fn = getattr(self.experts_class, "_apply_gate", None)
@@ -206,7 +207,6 @@ class W8A8Experts(ExpertsGate, nn.ModuleList):
         e, two_i, h = experts.gate_up_proj.shape
         device = experts.gate_up_proj.device
         super().__init__([_W8A8Expert(h, two_i // 2, dtype, device, pow2_scales) for _ in range(e)])
-        # The gate's submodules (`act_fn`) join the list after the experts: `self[e]` stays expert e.
         self.num_experts = e
         self.take_gate(experts)
 

@@ -91,25 +91,32 @@ def check_backend_runs_here(recipe, device: torch.device) -> None:
 
 
 def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
-    """Warns once when sampling is truncated (`top_k`, `top_p`, `min_p`, in the config or `generation_kwargs`) while
-    TRL corrects for the sampler: both engines return the log-probs of the truncated distribution (vLLM's
-    `processed_logprobs`, as TRL asks of vLLM), which exceed the learner's, so the ratios run below 1 and scale the
-    updates down. TRL's own transformers path, which has no separate sampler, never shows this."""
+    """Warns once when sampling is truncated or penalized (`top_k`, `top_p`, `min_p`, `repetition_penalty`, in the
+    config or `generation_kwargs`) while TRL corrects for the sampler: both engines return the log-probs of the
+    distribution they sampled from (vLLM's `processed_logprobs`, as TRL asks of vLLM), which for the sampled tokens
+    mostly exceed the learner's, so the ratios run below 1 and scale the updates down. TRL's own transformers path,
+    which has no separate sampler, never shows this."""
     if not args.vllm_importance_sampling_correction:
         return
     overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-    settings = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
+    settings = {
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+    }
     settings |= {k: v for k, v in overrides.items() if k in settings}
     truncating = {
         "top_k": lambda v: v not in (None, 0, -1),
         "top_p": lambda v: v is not None and v < 1,
         "min_p": lambda v: v is not None and v > 0,
+        "repetition_penalty": lambda v: v is not None and v != 1,
     }
     truncations = [f"{k}={v}" for k, v in settings.items() if truncating[k](v)]
     if truncations:
         logger.warning(
-            "trl-fp8: sampling is truncated (%s). The sampler returns the log-probs of the truncated distribution, "
-            "as vLLM does for TRL, so the importance-sampling ratios run below 1 and scale the updates down (see "
-            "`sampling/importance_sampling_ratio/mean`); unset them to sample from the full distribution.",
+            "trl-fp8: sampling is truncated or penalized (%s). The sampler returns the log-probs of the distribution "
+            "it sampled from, as vLLM does for TRL, so the importance-sampling ratios run below 1 and scale the updates "
+            "down (see `sampling/importance_sampling_ratio/mean`); unset them to sample from the full distribution.",
             ", ".join(truncations),
         )

@@ -107,17 +107,23 @@ class FP8GRPOTrainer(GRPOTrainer):
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
             check_peft_supported(policy, allow_dropout=not args.fp8_training)
         if args.fp8_training:
-            # Conversion warns about what stays in high precision; the warnings point at the user's line that built
-            # the trainer rather than at this file.
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                # With PEFT: the frozen base linears in FP8, each LoRA layer computing with its merged weight in FP8.
-                policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
-                convert_lora_layers(policy)
-                if self.ref_model is not None:
-                    convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
-            for w in caught:
-                warnings.warn(w.message, w.category, stacklevel=2)
+            # Conversion warns about what stays in high precision; those warnings point at the user's line that
+            # built the trainer rather than at this file (any other warning keeps its own place).
+            caught = []
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    # With PEFT: the frozen base linears in FP8, each LoRA layer on its merged weight in FP8.
+                    policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
+                    convert_lora_layers(policy)
+                    if self.ref_model is not None:
+                        convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
+            finally:  # also when conversion fails: what it warned of before is not lost
+                for w in caught:
+                    if str(w.message).startswith("trl-fp8:"):
+                        warnings.warn(w.message, w.category, stacklevel=2)
+                    else:
+                        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
             self.fp8_backend = learner_backend(policy, recipe)
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
 
