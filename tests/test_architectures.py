@@ -26,6 +26,7 @@ SMALL = r"linear_attn.in_proj_b \(32x256, not in whole 128x128 blocks\)"
 KEPT = {
     "qwen3_5": SMALL,
     "qwen3_5_moe": SMALL,
+    "qwen3_next": r"linear_attn.in_proj_ba \(64x256, not in whole 128x128 blocks\)",
     "gpt_oss": r"mlp.experts \(GptOssExperts: transposed weights, biases, gate and up interleaved\)",
 }
 
