@@ -263,3 +263,20 @@ def test_qwen3_5_gated_deltanet_as_vllm_fuses_it():
     narrow = tiny("qwen3_5", head_dim=128, linear_num_key_heads=2, linear_key_head_dim=64)
     with pytest.raises(ValueError, match=r"the q part of model.layers.0.linear_attn.in_proj_qkvz per rank is 64"):
         check_vllm_fp8_layers(narrow, FP8Recipe(), tp_size=2)
+
+
+@pytest.mark.skipif(not available("qwen3_next"), reason="transformers has no Qwen3-Next")
+def test_qwen3_next_fused_qkvz_splits_over_ranks_as_one_partition():
+    """Qwen3-Next stores q, k, v and z in one `in_proj_qkvz`, interleaved by key-head group, which vLLM keeps as one
+    output partition: each rank's rows must be whole blocks."""
+    model = tiny("qwen3_next", head_dim=128)
+    layers = {layer.name: layer for layer in vllm_linears(model, tp_size=2)}
+    assert layers["model.layers.0.linear_attn.in_proj_qkvz"].output_partition_sizes == ((2 * 16 + 2 * 32) * 128 // 2,)
+    check_vllm_fp8_layers(model, FP8Recipe(), tp_size=2)
+    # One key and one value head of 64: (2 * 64 + 2 * 64) rows, 64 on each of 4 ranks (experts kept out of the way).
+    narrow = tiny("qwen3_next", head_dim=128, linear_num_key_heads=1, linear_key_head_dim=64, linear_num_value_heads=1,
+                  linear_value_head_dim=64)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"qkvz in block FP8 with vllm_tensor_parallel_size=4: output of .* per rank is 64"
+    ):
+        check_vllm_fp8_layers(narrow, FP8Recipe(modules_to_not_convert=["mlp.experts"]), tp_size=4)

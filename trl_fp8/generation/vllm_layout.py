@@ -33,6 +33,8 @@ FUSED = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 REPLICATED = ("fused_qkv_a_proj",)
+# Column-parallel layers vLLM builds with a single output partition (`qwen_gdn_linear_attn.py`, `create_qkvz_proj`).
+ONE_SHARD = ("in_proj_qkvz",)
 ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
 
 
@@ -108,6 +110,11 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
                 parts = tuple(f"the {p} part of {parent}.{fused}" for p in parts)
             k = module.in_features
             out.append(VLLMLinear(f"{parent}.{fused}", shards, k, k, rows, tp, parts))
+        elif leaf in ONE_SHARD:
+            # Fused on disk in an order vLLM keeps (Qwen3-Next interleaves q, k, v and z by key-head group): one
+            # output partition, split over the ranks as a whole.
+            k = module.in_features
+            out.append(VLLMLinear(name, (name,), k, k, (module.out_features // tp_size,), tp_size))
         elif leaf in ROW_PARALLEL:
             k = module.in_features
             out.append(VLLMLinear(name, (name,), k, k // tp_size, (module.out_features,), tp_size))
