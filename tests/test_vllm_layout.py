@@ -190,6 +190,15 @@ def test_row_parallel_inputs_split_in_whole_blocks():
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.*input per rank 192 is not a multiple of 128"):
         check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["gate_proj", "up_proj"]), 2)
     check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["gate_proj", "up_proj"]), 1)
+    # Phi's attention output is `dense` and its MLP's `fc2`, row-parallel too (the column-parallel layers kept in
+    # high precision): 256 / 4 = 64 and 512 / 8 = 64 columns per rank.
+    phi, kept = tiny("phi"), ["q_proj", "k_proj", "v_proj", "fc1"]
+    with pytest.raises(
+        ValueError, match=r"model.layers.0.self_attn.dense.*input per rank 64 is not a multiple of 128"
+    ):
+        check_vllm_fp8_layers(phi, FP8Recipe(modules_to_not_convert=kept), 4)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.fc2.*input per rank 64 is not"):
+        check_vllm_fp8_layers(phi, FP8Recipe(modules_to_not_convert=[*kept, "dense"]), 8)
 
 
 def test_mla_fused_a_projections_need_one_precision():

@@ -35,7 +35,9 @@ FUSED = {
 REPLICATED = ("fused_qkv_a_proj",)
 # Column-parallel layers vLLM builds with a single output partition (`qwen_gdn_linear_attn.py`, `create_qkvz_proj`).
 ONE_SHARD = ("in_proj_qkvz",)
-ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")
+# Row-parallel in vLLM: Llama-style o/down, Gated DeltaNet's and OPT's out_proj, GPT-NeoX's and Phi's dense,
+# GPT-NeoX's dense_4h_to_h, Phi's and OPT's fc2 (`gpt_neox.py`, `phi.py`, `opt.py`).
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "dense", "dense_4h_to_h", "fc2")
 
 
 @dataclass
