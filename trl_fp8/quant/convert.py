@@ -101,22 +101,22 @@ def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     num_layers = num_layers or _config_layers(model) or max(i for _, _, i in candidates) + 1
     first, last = recipe.num_first_layers_in_bf16, recipe.num_last_layers_in_bf16
     block_n, block_k = recipe.weight_block_size
-    selected, misaligned = [], []
+    selected, kept = [], []
     for name, module, layer in candidates:
         if layer < first or layer >= num_layers - last:
             continue
         if any(_matches(name, p) for p in recipe.modules_to_not_convert):
             continue
         if type(module).forward is not nn.Linear.forward and not isinstance(module, FP8Linear):
-            misaligned.append(f"{name} ({type(module).__name__} has a forward of its own)")
+            kept.append(f"{name} ({type(module).__name__} has a forward of its own)")
             continue
         if module.out_features % block_n or module.in_features % block_k:
-            misaligned.append(
+            kept.append(
                 f"{name} ({module.out_features}x{module.in_features}, not in whole {block_n}x{block_k} blocks)"
             )
             continue
         selected.append(name)
-    return selected, misaligned
+    return selected, kept
 
 
 def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
@@ -129,7 +129,7 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     if not candidates:
         return [], []
     num_layers = num_layers or _config_layers(model) or max(i for _, _, i in candidates) + 1
-    selected, misaligned = [], []
+    selected, kept = [], []
     for name, module, layer in candidates:
         if layer < recipe.num_first_layers_in_bf16 or layer >= num_layers - recipe.num_last_layers_in_bf16:
             continue
@@ -137,14 +137,14 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
             continue
         why = None if isinstance(module, FP8Experts) else unsupported_experts_layout(module)
         if why is not None:
-            misaligned.append(f"{name} ({why})")
+            kept.append(f"{name} ({why})")
             continue
         _, two_i, hidden = module.gate_up_proj.shape
         if (two_i // 2) % 128 or hidden % 128 or list(recipe.weight_block_size) != [128, 128]:
-            misaligned.append(f"{name} (experts {two_i // 2}x{hidden}, not in whole 128x128 blocks)")
+            kept.append(f"{name} (experts {two_i // 2}x{hidden}, not in whole 128x128 blocks)")
             continue
         selected.append(name)
-    return selected, misaligned
+    return selected, kept
 
 
 def _config_layers(model: nn.Module) -> int | None:
