@@ -184,3 +184,12 @@ class HostSyncs(TorchDispatchMode):
             self.count += 1
             self.ops.append(name)
         return func(*args, **kwargs)
+
+
+def families(*names: str) -> list:
+    """`trl_fp8.demo.families` names as pytest parameters, skipped where the installed transformers lacks them."""
+    from trl_fp8.demo.families import available
+
+    return [
+        pytest.param(f, marks=pytest.mark.skipif(not available(f), reason=f"transformers has no {f}")) for f in names
+    ]

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ACCUMULATION_DB, sqnr_db, tiny_grpo_args, triton_marks
+from conftest import ACCUMULATION_DB, families, sqnr_db, tiny_grpo_args, triton_marks
 
 from trl_fp8 import FP8GRPOTrainer, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.families import FAMILIES, available, tiny, varied_reward
@@ -29,12 +29,6 @@ KEPT = {
     "qwen3_next": r"linear_attn.in_proj_ba \(64x256, not in whole 128x128 blocks\)",
     "gpt_oss": r"mlp.experts \(GptOssExperts: transposed weights, biases, gate and up interleaved\)",
 }
-
-
-def families(*names: str) -> list:
-    return [
-        pytest.param(f, marks=pytest.mark.skipif(not available(f), reason=f"transformers has no {f}")) for f in names
-    ]
 
 
 @pytest.mark.parametrize("family", families(*FAMILIES))

@@ -15,9 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausa
 from trl_fp8 import FP8Recipe, convert_to_fp8, dequantize_blockwise, iter_fp8_state
 from trl_fp8.demo.families import available, tiny
 from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3, tiny_qwen3_moe
-from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs
+from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs, stream_checkpoint_names
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
-from trl_fp8.quant.export import split_fused_experts
 
 
 def _load_like_vllm(stream: dict, layer, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +165,7 @@ def test_moe_routers_and_high_precision_experts_are_ignored_by_vllm_and_streamed
     assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "model.layers.0.mlp.experts"} <= set(ignored)
     assert "model.layers.1.mlp.experts" not in ignored
     convert_to_fp8(model, recipe)
-    stream = dict(split_fused_experts(list(iter_fp8_state(model))))
+    stream = dict(stream_checkpoint_names(model, recipe, [])(list(iter_fp8_state(model))))
     assert not any(name.endswith((".experts.gate_up_proj", ".experts.down_proj")) for name in stream)
     experts = model.model.layers[0].mlp.experts
     e, two_i, h = experts.gate_up_proj.shape

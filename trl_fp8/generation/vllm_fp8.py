@@ -28,7 +28,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
-from ..quant.export import split_fused_experts, stream_nbytes
+from ..quant.checkpoint_names import CheckpointNames, checkpoint_module_names
+from ..quant.export import iter_fp8_state, stream_nbytes
 from ..quant.kv_cache import check_kv_cache_supported
 from .reference import refuse_reserved
 from .stream import LearnerStream, refuse_nonfinite
@@ -166,7 +167,8 @@ def fp8_llm_kwargs(
     user_kwargs = check_llm_kwargs(user_kwargs)
     ignored = check_vllm_fp8_layers(model, recipe, tp_size)
     hf_overrides = dict(user_kwargs.pop("hf_overrides", None) or {})
-    hf_overrides["quantization_config"] = vllm_quantization_config(recipe, ignored)
+    # vLLM names its modules as the checkpoint does (Mixtral's `block_sparse_moe`, not transformers' `mlp`).
+    hf_overrides["quantization_config"] = vllm_quantization_config(recipe, checkpoint_module_names(model, ignored))
     kwargs = {**user_kwargs, "quantization": "fp8", "hf_overrides": hf_overrides, "load_format": "dummy"}
     if kv_cache:
         check_kv_cache_supported(model.config)
@@ -237,6 +239,19 @@ def reload_in_config(worker, weights_iterator) -> None:
         worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
 
 
+def stream_checkpoint_names(policy, recipe, attention_names: list[str]) -> CheckpointNames:
+    """The checkpoint names vLLM loads `policy`'s stream under (with Q/K/V scales for `attention_names`), found
+    before an engine is built: what cannot travel under a checkpoint name is refused here."""
+    converted = getattr(policy, "fp8_recipe", None) is not None
+    names, fp8 = [], set()
+    for name, t in iter_fp8_state(policy, None if converted else recipe):
+        names.append(name)
+        if t.dtype == torch.float8_e4m3fn:
+            fp8.add(name)
+    names += [f"{attention}.{x}_scale" for attention in attention_names for x in "kvq"]
+    return CheckpointNames(policy, names, fp8)
+
+
 def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:
     """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache."""
     if wake_weights:
@@ -297,6 +312,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
                 "(save_pretrained) and pass its folder to FP8GRPOTrainer"
             )
         check_architecture(policy, vllm_architectures(policy.name_or_path, self.vllm_llm_kwargs))
+        self.checkpoint_names = stream_checkpoint_names(policy, self.recipe, self._attn_names)
         overrides = fp8_llm_kwargs(
             policy,
             self.recipe,
@@ -321,7 +337,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             trl_vllm.LLM = make_llm
 
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:
-        return split_fused_experts(super().state_stream())
+        return self.checkpoint_names(super().state_stream())
 
     @torch.no_grad()
     def sync_weights(self) -> None:

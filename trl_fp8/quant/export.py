@@ -24,6 +24,7 @@ from torch import nn
 
 from .adapters import effective_weight, fp8_weight, lora_layers
 from .blockwise import quantize_blockwise
+from .checkpoint_names import CheckpointNames, checkpoint_module_names
 from .convert import is_router, named_linears, select_fp8_experts, select_fp8_linears
 from .linear import FP8Linear
 from .moe import FP8Experts, is_fused_experts, iter_expert_pairs
@@ -174,24 +175,6 @@ PRE_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 _EXPERT_LINEAR_RE = re.compile(r"^(.*\.experts)\.\d+\.(?:gate|up|down)_proj$")
 
 
-def split_fused_experts(pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """vLLM loads MoE experts one by one (`...experts.{e}.gate_proj.weight`), as Hub checkpoints store them:
-    transformers' fused expert tensors that the recipe keeps in high precision (`...experts.gate_up_proj` (E, 2I, H),
-    `...experts.down_proj` (E, H, I)) are split into those names. FP8 experts already travel per expert."""
-    out = []
-    for name, t in pairs:
-        if name.endswith(".experts.gate_up_proj") and t.dim() == 3:
-            prefix, i = name.removesuffix("gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out += [(f"{prefix}{e}.gate_proj.weight", t[e, :i]), (f"{prefix}{e}.up_proj.weight", t[e, i:])]
-        elif name.endswith(".experts.down_proj") and t.dim() == 3:
-            prefix = name.removesuffix("down_proj")
-            out += [(f"{prefix}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
-        else:
-            out.append((name, t))
-    return out
-
-
 def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
     """What a block-FP8 loader must build in high precision, given the names of the linears and fused experts in
     FP8, named as vLLM and transformers look them up: the other linears (nn.Linear subclasses too, Falcon's
@@ -217,14 +200,17 @@ def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
 
 def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:
     """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
-    (experts one by one, as Hub checkpoints store them) plus `config.json` with the recipe's `quantization_config`
-    (what stays in high precision listed in `modules_to_not_convert`). Returns the names of the FP8 weights."""
+    under the names `save_pretrained` gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints
+    store them) plus `config.json` with the recipe's `quantization_config` (what stays in high precision listed in
+    `modules_to_not_convert`, in transformers' module names, and, where the checkpoint's differ, in
+    `ignored_layers` for vLLM). Returns the checkpoint names of the FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
     if converted and model.fp8_recipe != recipe:
         # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
         raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
-    tensors = dict(split_fused_experts(list(iter_fp8_state(model, None if converted else recipe))))
-    fp8_weights = [n[: -len("_scale_inv")] for n in tensors if n.endswith("_scale_inv")]
+    pairs = list(iter_fp8_state(model, None if converted else recipe))
+    fp8_weights = [n for n, t in pairs if t.dtype == torch.float8_e4m3fn]
+    tensors = dict(CheckpointNames(model, [n for n, _ in pairs], set(fp8_weights))(pairs))
     fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
     fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
     kept = high_precision_modules(model, fp8_modules)
@@ -237,8 +223,10 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
     )
     config = copy.deepcopy(model.config)
     config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
+    if (checkpoint_kept := checkpoint_module_names(model, kept)) != kept:
+        config.quantization_config["ignored_layers"] = checkpoint_kept
     config.save_pretrained(save_directory)
     # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(save_directory)
-    return fp8_weights
+    return [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]
