@@ -21,6 +21,7 @@ from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3
 from trl_fp8.generation.vllm_fp8 import (
     VLLM_SPECIFIER,
     check_architecture,
+    check_reloadable,
     check_vllm_version,
     deep_gemm_e8m0_env,
     fp8_llm_kwargs,
@@ -178,12 +179,18 @@ def test_fp8_kv_cache_is_refused_for_latent_attention():
 
 def test_an_architecture_whose_refit_vllm_would_skip_is_refused_before_an_engine_is_built():
     """vLLM's gpt_oss.py writes experts and attention sinks with `param.data.copy_`, which its layerwise reload (every
-    refit) never sees: the sampler would keep its first weights there."""
+    refit) never sees: the sampler would keep its first weights there. MiMo-V2-Flash's mimo_v2.py does the same."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     model = tiny_model(GptOssConfig, GptOssForCausalLM, num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(NotImplementedError, match=r"cannot refit gpt_oss models.*experts.*fp8_generation=False"):
         fp8_llm_kwargs(model, FP8Recipe())
+    # MiMo-V2-Flash's sinks likewise (mimo_v2.py), now that the stream names them as vLLM does (`attention_sink_bias`).
+    import transformers
+
+    if hasattr(transformers, "MiMoV2FlashConfig"):
+        with pytest.raises(NotImplementedError, match=r"cannot refit mimo_v2_flash models.*attention_sink_bias"):
+            check_reloadable(transformers.MiMoV2FlashConfig())
 
 
 def test_latent_attention_runs_eagerly_on_vllm_before_0_31():

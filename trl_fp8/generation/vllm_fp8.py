@@ -110,6 +110,7 @@ def vllm_quantization_config(recipe, ignored_layers: list[str]) -> dict:
 # so the sampler would keep its first weights there (read in vLLM 0.22.0's and 0.31.0's source).
 RELOAD_SKIPS = {
     "gpt_oss": "its experts (weights and biases) and attention sinks (gpt_oss.py, `_load_weights_other`)",
+    "mimo_v2_flash": "its attention sinks, `attention_sink_bias` on disk (mimo_v2.py, `load_weights`)",
 }
 
 
