@@ -7,15 +7,16 @@ import json
 
 import pytest
 import torch
-from conftest import families
+from conftest import families, tiny_grpo_args
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state, quantize_blockwise
-from trl_fp8.demo.families import FAMILIES, LAYERS_ONLY, tiny
-from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs, stream_checkpoint_names
+from trl_fp8 import FP8GRPOTrainer, FP8Recipe, convert_to_fp8, iter_fp8_state, quantize_blockwise
+from trl_fp8.demo.families import FAMILIES, LAYERS_ONLY, tiny, varied_reward
+from trl_fp8.demo.task import make_dataset
+from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs
 from trl_fp8.quant import dequantize_blockwise, fp8_modules
-from trl_fp8.quant.export import save_fp8_checkpoint
+from trl_fp8.quant.export import save_fp8_checkpoint, stream_checkpoint_names
 from trl_fp8.quant.moe import FP8Experts
 
 
@@ -50,10 +51,10 @@ def test_the_stream_vllm_loads_is_what_save_pretrained_writes(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", families("hy_v4"))
-def test_fp8_weights_a_checkpoint_holds_in_another_layout_are_refused_naming_them(tmp_path, family):
+def test_fp8_weights_a_checkpoint_holds_in_another_layout_are_refused_naming_them(tmp_path, demo_tokenizer, family):
     """HY-V4's checkpoints hold each layer's experts as one fused tensor, where trl-fp8 sends FP8 experts one by one
-    (their 128x128 blocks): refused before anything is sent, naming the pattern that keeps them in high precision,
-    which then works."""
+    (their 128x128 blocks): refused before anything is sent or trained, naming the pattern that keeps them in high
+    precision, which then works."""
     model = tiny(family)
     model.save_pretrained(tmp_path)
     convert_to_fp8(model, FP8Recipe())
@@ -63,6 +64,15 @@ def test_fp8_weights_a_checkpoint_holds_in_another_layout_are_refused_naming_the
         r"another layout.*modules_to_not_convert=\['mlp.experts'\]",
     ):
         stream_checkpoint_names(model, FP8Recipe(), [])
+    # A run that would save an FP8 checkpoint is refused when the trainer is built, not when it ends.
+    with pytest.raises(ValueError, match=r"another layout.*modules_to_not_convert=\['mlp.experts'\]"):
+        FP8GRPOTrainer(
+            model=tiny(family),
+            reward_funcs=varied_reward,
+            args=tiny_grpo_args(tmp_path, fp8_save_format="fp8"),
+            train_dataset=make_dataset(8),
+            processing_class=demo_tokenizer,
+        )
     recipe = FP8Recipe(modules_to_not_convert=["mlp.experts"])
     model = convert_to_fp8(tiny(family), recipe)
     assert not any(isinstance(m, FP8Experts) for m in model.modules())

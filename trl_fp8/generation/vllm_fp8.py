@@ -28,8 +28,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
-from ..quant.checkpoint_names import CheckpointNames, checkpoint_module_names
-from ..quant.export import iter_fp8_state, stream_nbytes
+from ..quant.checkpoint_names import checkpoint_module_names
+from ..quant.export import stream_checkpoint_names, stream_nbytes
 from ..quant.kv_cache import check_kv_cache_supported
 from .reference import refuse_reserved
 from .stream import LearnerStream, refuse_nonfinite
@@ -238,19 +238,6 @@ def reload_in_config(worker, weights_iterator) -> None:
 
     with set_current_vllm_config(worker.vllm_config):
         worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
-
-
-def stream_checkpoint_names(policy, recipe, attention_names: list[str]) -> CheckpointNames:
-    """The checkpoint names vLLM loads `policy`'s stream under (with Q/K/V scales for `attention_names`), found
-    before an engine is built: what cannot travel under a checkpoint name is refused here."""
-    converted = getattr(policy, "fp8_recipe", None) is not None
-    names, fp8 = [], set()
-    for name, t in iter_fp8_state(policy, None if converted else recipe):
-        names.append(name)
-        if t.dtype == torch.float8_e4m3fn:
-            fp8.add(name)
-    names += [f"{attention}.{x}_scale" for attention in attention_names for x in "kvq"]
-    return CheckpointNames(policy, names, fp8)
 
 
 def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:

@@ -16,7 +16,7 @@ the recipe selects are then quantized here, with the recipe's rule.
 import copy
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -196,6 +196,19 @@ def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
         elif is_fused_experts(m) and name not in fp8:
             kept.append(name)
     return kept
+
+
+def stream_checkpoint_names(model: nn.Module, recipe, attention_names: Sequence[str] = ()) -> CheckpointNames:
+    """The checkpoint names `model`'s stream (with Q/K/V scales for `attention_names`) travels and is saved under,
+    found before anything is sent or written: what cannot have one is refused here."""
+    converted = getattr(model, "fp8_recipe", None) is not None
+    names, fp8 = [], set()
+    for name, t in iter_fp8_state(model, None if converted else recipe):
+        names.append(name)
+        if t.dtype == torch.float8_e4m3fn:
+            fp8.add(name)
+    names += [f"{attention}.{x}_scale" for attention in attention_names for x in "kvq"]
+    return CheckpointNames(model, names, fp8)
 
 
 def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:

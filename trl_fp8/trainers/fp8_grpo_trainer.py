@@ -18,7 +18,7 @@ from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8, fp8_modules
-from ..quant.export import save_fp8_checkpoint
+from ..quant.export import save_fp8_checkpoint, stream_checkpoint_names
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.moe import capture_routing, is_fused_experts
@@ -126,6 +126,8 @@ class FP8GRPOTrainer(GRPOTrainer):
                         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
             self.fp8_backend = learner_backend(policy, recipe)
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
+        if args.fp8_save_format == "fp8":  # refused now rather than when the run ends
+            stream_checkpoint_names(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
 
         if args.use_vllm:
             return  # vLLM samples: block FP8 (FP8VLLMGeneration) or, with fp8_generation=False, TRL's BF16 engine
