@@ -50,6 +50,24 @@ def test_the_stream_vllm_loads_is_what_save_pretrained_writes(tmp_path, family):
     assert_is_checkpoint(stream, saved)
 
 
+@pytest.mark.parametrize("family", families("mixtral", "olmoe", "llama4"))
+def test_high_precision_experts_travel_as_views_of_the_learners_fused_tensors(tmp_path, family):
+    """Experts kept in high precision travel per expert where the checkpoint holds them so (Mixtral, OLMoE), fused
+    where it holds them fused (Llama 4), and in both cases as views of the learner's tensors: a sync copies nothing."""
+    model = tiny(family)
+    model.save_pretrained(tmp_path)
+    recipe = FP8Recipe(modules_to_not_convert=["experts"])
+    convert_to_fp8(model, recipe)
+    pairs = list(iter_fp8_state(model))
+    stream = stream_checkpoint_names(model, recipe)(pairs)
+    assert_is_checkpoint(dict(stream), load_file(tmp_path / "model.safetensors"))
+    fused = {p.untyped_storage().data_ptr() for n, p in model.named_parameters() if ".experts." in n}
+    experts = [t for n, t in stream if ".experts." in n]
+    per_layer = 2 if family == "llama4" else 3 * 4  # fused gate_up and down, or gate, up and down of 4 experts
+    assert len(experts) == per_layer * model.config.num_hidden_layers
+    assert all(t.untyped_storage().data_ptr() in fused for t in experts)
+
+
 @pytest.mark.parametrize("family", families("hy_v4"))
 def test_fp8_weights_a_checkpoint_holds_in_another_layout_are_refused_naming_them(tmp_path, demo_tokenizer, family):
     """HY-V4's checkpoints hold each layer's experts as one fused tensor, where trl-fp8 sends FP8 experts one by one

@@ -12,14 +12,16 @@ values. So the stream, and the FP8 checkpoint, travel under the checkpoint's nam
   so any change of layout on the way (a transpose, a permutation, a split, a concatenation) shows as a tag that does
   not come out whole. Fused experts in FP8 travel per expert (`...experts.{e}.gate_proj.weight`, the layout of
   their 128x128 blocks): their fused tensor's tag is cut as the learner cuts it, and each piece must come out whole.
-- Every sync, renamed tensors keep their place in the stream; a high-precision tensor whose checkpoint layout differs
-  (fused experts kept in high precision, which checkpoints store one by one) is reverted for real, as
-  `save_pretrained` writes it (views, no copies, for the expert splits).
+- Every sync, renamed tensors keep their place in the stream, and fused experts kept in high precision travel as
+  per-expert views where the checkpoint holds them one by one (Mixtral, Qwen3-MoE), fused where it holds them fused
+  (Llama 4). A high-precision tensor whose checkpoint layout is something else again is reverted for real, as
+  `save_pretrained` writes it.
 - An FP8 weight whose checkpoint holds it in another layout cannot be renamed without being re-quantized: it is
   refused, naming it, before anything is sent or written.
 """
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -67,19 +69,48 @@ class CheckpointNames:
         model (`nn.Module`):
             The transformers model the stream comes from (no DDP or PEFT wrapper); its conversion mapping is the one
             `from_pretrained` used, or transformers' default for its class.
-        names (`list[str]`):
-            The stream's tensor names, as `iter_fp8_state` yields them (FP8 pairs are `...weight` in
-            float8_e4m3fn beside `...weight_scale_inv`).
-        fp8_weights (`set[str]`):
-            Which of `names` are FP8 weights.
+        stream (`Iterable[tuple[str, torch.Size, torch.dtype]]`):
+            Name, shape and dtype of each tensor of the stream, as `iter_fp8_state` yields them (FP8 pairs are
+            `...weight` in float8_e4m3fn beside `...weight_scale_inv`).
     """
 
-    def __init__(self, model: nn.Module, names: list[str], fp8_weights: set[str]):
+    def __init__(self, model: nn.Module, stream: Iterable[tuple[str, torch.Size, torch.dtype]]):
         self.model = model
         fused = {n for n, m in model.named_modules() if isinstance(m, FP8Experts) or is_fused_experts(m)}
-        tags, expected = self._tags([n for n in names if not n.endswith("_scale_inv")], fp8_weights, fused)
+        tags, expected, start = {}, {}, 0
+
+        def tag(*shape: int) -> torch.Tensor:
+            nonlocal start
+            start += torch.Size(shape).numel()
+            return _tag(start - torch.Size(shape).numel(), *shape)
+
+        rows, cols = _TAG_SHAPE
+        fp8, fp8_experts, hp_experts = set(), {}, {}
+        for name, shape, dtype in stream:
+            if name.endswith("_scale_inv"):
+                continue
+            if dtype == torch.float8_e4m3fn:
+                fp8.add(name)
+            match, (prefix, _, leaf) = _EXPERT_WEIGHT.match(name), name.rpartition(".")
+            if name in fp8 and match and match["experts"] in fused:
+                fp8_experts[match["experts"]] = max(fp8_experts.get(match["experts"], 0), int(match["e"]) + 1)
+            elif prefix in fused and leaf in ("gate_up_proj", "down_proj") and len(shape) == 3:
+                hp_experts[prefix] = shape[0]
+            else:
+                tags[name] = expected[name] = tag(rows, cols)
+        for prefix, num_experts in (fp8_experts | hp_experts).items():
+            # The learner's per-expert cut of transformers' fused tensors (gate rows first, then up): FP8 experts
+            # travel so; high-precision ones too, where the checkpoint holds them so.
+            gate_up, down = tag(num_experts, 2 * rows, cols), tag(num_experts, rows, cols)
+            tags[f"{prefix}.gate_up_proj"], tags[f"{prefix}.down_proj"] = gate_up, down
+            if prefix in hp_experts:
+                expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"] = gate_up, down
+            for e in range(num_experts):
+                expected[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :rows]
+                expected[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, rows:]
+                expected[f"{prefix}.{e}.down_proj.weight"] = down[e]
         self.renames = _renames(model, tags, expected)
-        refused = sorted(w for w in fp8_weights if not self.renames.get(w, "").endswith("weight"))
+        refused = sorted(w for w in fp8 if not self.renames.get(w, "").endswith("weight"))
         if refused:
             match = _EXPERT_WEIGHT.match(refused[0])
             module = match["experts"] if match else refused[0].removesuffix(".weight")
@@ -90,47 +121,38 @@ class CheckpointNames:
                 "checkpoint name without re-quantizing it. Keep it in high precision: fp8_recipe="
                 f"FP8Recipe(modules_to_not_convert=[{'.'.join(module.split('.')[-2:])!r}])."
             )
-        for weight in fp8_weights:
+        for weight in fp8:
             self.renames[f"{weight}_scale_inv"] = f"{self.renames[weight]}_scale_inv"
-
-    @staticmethod
-    def _tags(names: list[str], fp8_weights: set[str], fused: set[str]) -> tuple[dict, dict]:
-        """The stand-ins fed to the reversal (`{runtime state name: tag}`) and each stream tensor's own tag; `fused`
-        names the fused experts modules (the others' per-expert names are their own linears')."""
-        tags, expected, start = {}, {}, 0
-
-        def tag(*shape: int) -> torch.Tensor:
-            nonlocal start
-            start += torch.Size(shape).numel()
-            return _tag(start - torch.Size(shape).numel(), *shape)
-
-        rows, cols = _TAG_SHAPE
-        experts: dict[str, int] = {}
-        for name in names:
-            match = _EXPERT_WEIGHT.match(name)
-            if name in fp8_weights and match and match["experts"] in fused:
-                experts[match["experts"]] = max(experts.get(match["experts"], 0), int(match["e"]) + 1)
-            else:
-                tags[name] = expected[name] = tag(rows, cols)
-        for prefix, num_experts in experts.items():
-            # The learner's per-expert cut of transformers' fused tensors: gate rows first, then up.
-            gate_up, down = tag(num_experts, 2 * rows, cols), tag(num_experts, rows, cols)
-            tags[f"{prefix}.gate_up_proj"], tags[f"{prefix}.down_proj"] = gate_up, down
-            for e in range(num_experts):
-                expected[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :rows]
-                expected[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, rows:]
-                expected[f"{prefix}.{e}.down_proj.weight"] = down[e]
-        return tags, expected
+        # High-precision experts the checkpoint holds one by one: sent as views of the fused tensors, not copies.
+        self.per_expert = {
+            f"{prefix}.{which}"
+            for prefix in hp_experts
+            if f"{prefix}.0.down_proj.weight" in self.renames
+            for which in ("gate_up_proj", "down_proj")
+        }
 
     def __call__(self, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """`pairs` under checkpoint names, in their order; the tensors not renamed go last, as `save_pretrained`
         writes them."""
         out, rest = [], {}
         for name, t in pairs:
-            if name in self.renames:
+            if name in self.per_expert:
+                out += [(self.renames[piece], view) for piece, view in _per_expert(name, t)]
+            elif name in self.renames:
                 out.append((self.renames[name], t))
             else:
                 rest[name] = t
         if rest:
             out.extend(_revert(self.model, rest).items())
         return out
+
+
+def _per_expert(name: str, fused: torch.Tensor):
+    prefix, _, which = name.rpartition(".")
+    if which == "down_proj":
+        yield from ((f"{prefix}.{e}.down_proj.weight", fused[e]) for e in range(fused.shape[0]))
+        return
+    inter = fused.shape[1] // 2
+    for e in range(fused.shape[0]):
+        yield f"{prefix}.{e}.gate_proj.weight", fused[e, :inter]
+        yield f"{prefix}.{e}.up_proj.weight", fused[e, inter:]

@@ -202,13 +202,10 @@ def stream_checkpoint_names(model: nn.Module, recipe, attention_names: Sequence[
     """The checkpoint names `model`'s stream (with Q/K/V scales for `attention_names`) travels and is saved under,
     found before anything is sent or written: what cannot have one is refused here."""
     converted = getattr(model, "fp8_recipe", None) is not None
-    names, fp8 = [], set()
-    for name, t in iter_fp8_state(model, None if converted else recipe):
-        names.append(name)
-        if t.dtype == torch.float8_e4m3fn:
-            fp8.add(name)
-    names += [f"{attention}.{x}_scale" for attention in attention_names for x in "kvq"]
-    return CheckpointNames(model, names, fp8)
+    stream = [(n, t.shape, t.dtype) for n, t in iter_fp8_state(model, None if converted else recipe)]
+    scalar = (torch.Size(), torch.float32)
+    stream += [(f"{attention}.{x}_scale", *scalar) for attention in attention_names for x in "kvq"]
+    return CheckpointNames(model, stream)
 
 
 def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:
@@ -222,9 +219,8 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[s
         # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
         raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
     pairs = list(iter_fp8_state(model, None if converted else recipe))
-    fp8_weights = [n for n, t in pairs if t.dtype == torch.float8_e4m3fn]
-    tensors = dict(CheckpointNames(model, [n for n, _ in pairs], set(fp8_weights))(pairs))
-    fp8_modules = {n.rsplit(".", 1)[0] for n in fp8_weights}
+    tensors = dict(CheckpointNames(model, [(n, t.shape, t.dtype) for n, t in pairs])(pairs))
+    fp8_modules = {n.rsplit(".", 1)[0] for n, t in pairs if t.dtype == torch.float8_e4m3fn}
     fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
     kept = high_precision_modules(model, fp8_modules)
     os.makedirs(save_directory, exist_ok=True)
