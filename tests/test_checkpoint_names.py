@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import families, tiny_grpo_args
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from trl_fp8 import FP8GRPOTrainer, FP8Recipe, convert_to_fp8, iter_fp8_state, quantize_blockwise
@@ -85,17 +85,20 @@ def test_fp8_weights_a_checkpoint_holds_in_another_layout_are_refused_naming_the
     # A run that would save an FP8 checkpoint is refused when the trainer is built, not when it ends.
     with pytest.raises(ValueError, match=r"another layout.*modules_to_not_convert=\['mlp.experts'\]"):
         FP8GRPOTrainer(
-            model=tiny(family),
+            model=(user_model := tiny(family)),
             reward_funcs=varied_reward,
             args=tiny_grpo_args(tmp_path, fp8_save_format="fp8"),
             train_dataset=make_dataset(8),
             processing_class=demo_tokenizer,
         )
+    assert not fp8_modules(user_model)  # refused before conversion
     recipe = FP8Recipe(modules_to_not_convert=["mlp.experts"])
     model = convert_to_fp8(tiny(family), recipe)
     assert not any(isinstance(m, FP8Experts) for m in model.modules())
-    stream = dict(stream_checkpoint_names(model, recipe, [])(list(iter_fp8_state(model))))
-    assert_is_checkpoint(stream, load_file(tmp_path / "model.safetensors"))
+    names = stream_checkpoint_names(model, recipe, [])
+    assert_is_checkpoint(dict(names(list(iter_fp8_state(model)))), load_file(tmp_path / "model.safetensors"))
+    # Kept in high precision, the fused experts keep their name: renamed in place, not reverted at every sync.
+    assert names.renames["model.layers.1.mlp.experts.gate_up_proj"] == "model.layers.1.mlp.experts.gate_up_proj"
 
 
 @pytest.mark.parametrize("family", families("mixtral", "gpt_neox"))
@@ -123,3 +126,45 @@ def test_fp8_checkpoint_of_a_renamed_family_loads_in_transformers_and_names_vllm
         assert vllm_kwargs["hf_overrides"]["quantization_config"]["ignored_layers"] == vllm_routers
     else:
         assert config["modules_to_not_convert"] == ["lm_head"] and config["ignored_layers"] == ["embed_out"]
+
+
+def test_a_conversion_that_moves_a_weights_rows_is_refused_whether_or_not_it_runs_on_the_stand_ins(tiny_llama):
+    """An FP8 weight whose rows a checkpoint holds in another order cannot be renamed: its 128x128 blocks would hold
+    other values. Here transformers' own operations stand in for such a checkpoint format: an interleave (which runs
+    on the stand-in tags, and reorders them) and a RoPE permutation (which fails on them)."""
+    from transformers.core_model_loading import Interleave, PermuteForRope, WeightConverter
+
+    model = convert_to_fp8(tiny_llama, FP8Recipe())
+    model._weight_conversions = [
+        WeightConverter("mlp.gate_proj.weight", "mlp.gate_proj.weight", [Interleave(dim=0)]),
+        WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", [PermuteForRope()]),
+    ]
+    layers = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"hold model.layers.0.mlp.gate_proj.weight \(and {2 * layers - 1} more\)"):
+        stream_checkpoint_names(model, FP8Recipe())
+    model._weight_conversions = model._weight_conversions[1:]
+    with pytest.raises(ValueError, match=rf"hold model.layers.0.self_attn.q_proj.weight \(and {layers - 1} more\)"):
+        stream_checkpoint_names(model, FP8Recipe())
+
+
+@pytest.mark.parametrize("family", families("qwen3_5"))
+def test_a_text_model_loaded_from_under_a_multimodal_prefix_syncs_without_it(tmp_path, family):
+    """A Qwen3.5 text model loaded from weights under `model.language_model.` (a multimodal checkpoint's layout):
+    `save_pretrained`, and the FP8 checkpoint, put the prefix back; vLLM's text model loads its tensors without it
+    (vLLM 0.22 has no mapping for the prefix), so the sync stream and vLLM's `ignored_layers` leave it off."""
+    tiny(family).save_pretrained(tmp_path / "text")
+    prefixed = {
+        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+        for k, v in load_file(tmp_path / "text" / "model.safetensors").items()
+    }
+    save_file(prefixed, tmp_path / "text" / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32)
+    recipe = FP8Recipe()
+    ignored = fp8_llm_kwargs(model, recipe)["hf_overrides"]["quantization_config"]["ignored_layers"]
+    assert ignored and not [n for n in ignored if "language_model" in n]
+    convert_to_fp8(model, recipe)
+    pairs = list(iter_fp8_state(model))
+    stream = stream_checkpoint_names(model, recipe, prefixes=False)(pairs)
+    assert [n for n, _ in stream] == [n for n, _ in pairs]  # no other renames in Qwen3.5
+    saved = save_fp8_checkpoint(model, str(tmp_path / "fp8"), recipe)
+    assert saved and all(n.startswith("model.language_model.layers.") for n in saved)

@@ -169,7 +169,8 @@ def fp8_llm_kwargs(
     ignored = check_vllm_fp8_layers(model, recipe, tp_size)
     hf_overrides = dict(user_kwargs.pop("hf_overrides", None) or {})
     # vLLM names its modules as the checkpoint does (Mixtral's `block_sparse_moe`, not transformers' `mlp`).
-    hf_overrides["quantization_config"] = vllm_quantization_config(recipe, checkpoint_module_names(model, ignored))
+    ignored = checkpoint_module_names(model, ignored, prefixes=False)
+    hf_overrides["quantization_config"] = vllm_quantization_config(recipe, ignored)
     kwargs = {**user_kwargs, "quantization": "fp8", "hf_overrides": hf_overrides, "load_format": "dummy"}
     if kv_cache:
         check_kv_cache_supported(model.config)
@@ -300,7 +301,8 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
                 "(save_pretrained) and pass its folder to FP8GRPOTrainer"
             )
         check_architecture(policy, vllm_architectures(policy.name_or_path, self.vllm_llm_kwargs))
-        self.checkpoint_names = stream_checkpoint_names(policy, self.recipe, self._attn_names)
+        # vLLM builds the text model config.json names: its tensors without the multimodal checkpoint's prefix.
+        self.checkpoint_names = stream_checkpoint_names(policy, self.recipe, self._attn_names, prefixes=False)
         overrides = fp8_llm_kwargs(
             policy,
             self.recipe,

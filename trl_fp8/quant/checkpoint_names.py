@@ -30,35 +30,55 @@ from .moe import FP8Experts, is_fused_experts
 
 
 _EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
-_TAG_SHAPE = (2, 3)
+_TAG_SHAPE = (4, 3)  # rows enough that an interleave or a permutation of them shows
 
 
-def _revert(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from transformers.core_model_loading import revert_weight_conversion
+def _revert(model: nn.Module, state: dict[str, torch.Tensor], prefixes: bool) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 
-    return revert_weight_conversion(model, state)
+    loaded = getattr(model, "_weight_conversions", None)  # what `from_pretrained` applied, if it loaded the model
+    if prefixes or loaded is None:  # without it transformers drops prefix changes itself
+        return revert_weight_conversion(model, state)
+    model._weight_conversions = [c for c in loaded if not isinstance(c, PrefixChange)]
+    try:
+        return revert_weight_conversion(model, state)
+    finally:
+        model._weight_conversions = loaded
 
 
 def _tag(start: int, *shape: int) -> torch.Tensor:
     return torch.arange(start, start + torch.Size(shape).numel(), dtype=torch.float64).view(shape)
 
 
-def _renames(model: nn.Module, tags: dict, expected: dict) -> dict[str, str]:
+def _renames(model: nn.Module, tags: dict, expected: dict, prefixes: bool) -> dict[str, str]:
     """`{name: checkpoint name}` for each name of `expected` whose tag comes out of the reversal of `tags` whole."""
-    by_first = {float(t.flatten()[0]): name for name, t in expected.items()}
+    try:
+        reverted = _revert(model, dict(tags), prefixes)
+    except Exception:
+        # A conversion that cannot run on stand-ins (one that reshapes by the config's head count): tensor by tensor,
+        # and those it fails on get no rename (high-precision ones are then reverted for real at each sync).
+        reverted = {}
+        for name, tag in tags.items():
+            try:
+                reverted.update(_revert(model, {name: tag}, prefixes))
+            except Exception:
+                continue
+    by_key = {(float(t.flatten()[0]), t.shape): name for name, t in expected.items()}
     renames = {}
-    for checkpoint_name, tag in _revert(model, dict(tags)).items():
-        name = by_first.get(float(tag.flatten()[0])) if tag.numel() else None
-        if name is not None and tag.shape == expected[name].shape and torch.equal(tag, expected[name]):
+    for checkpoint_name, tag in reverted.items():
+        name = by_key.get((float(tag.flatten()[0]), tag.shape)) if tag.numel() else None
+        if name is not None and torch.equal(tag, expected[name]):
             renames[name] = checkpoint_name
     return renames
 
 
-def checkpoint_module_names(model: nn.Module, modules: list[str]) -> list[str]:
+def checkpoint_module_names(model: nn.Module, modules: list[str], prefixes: bool = True) -> list[str]:
     """The checkpoint's names of `modules` (vLLM names its modules as the checkpoint does: `ignored_layers` are
-    matched against them): a module is renamed as a `weight` under it would be, else keeps its name."""
-    tags = {f"{m}.weight": _tag(i * 6, *_TAG_SHAPE) for i, m in enumerate(modules)}
-    renames = _renames(model, tags, tags)
+    matched against them): a module is renamed as a `weight` under it would be, else keeps its name. `prefixes` as in
+    `CheckpointNames`."""
+    size = torch.Size(_TAG_SHAPE).numel()
+    tags = {f"{m}.weight": _tag(i * size, *_TAG_SHAPE) for i, m in enumerate(modules)}
+    renames = _renames(model, tags, tags, prefixes)
     return [renames.get(f"{m}.weight", f"{m}.weight").removesuffix(".weight") for m in modules]
 
 
@@ -72,10 +92,14 @@ class CheckpointNames:
         stream (`Iterable[tuple[str, torch.Size, torch.dtype]]`):
             Name, shape and dtype of each tensor of the stream, as `iter_fp8_state` yields them (FP8 pairs are
             `...weight` in float8_e4m3fn beside `...weight_scale_inv`).
+        prefixes (`bool`, *optional*, defaults to `True`):
+            Whether to move tensors back under the prefix `from_pretrained` took off (a Qwen3.5 text model loaded
+            from its multimodal checkpoint: `model.language_model.layers`), as `save_pretrained` does. vLLM's text
+            model loads them without it (before 0.31 only so).
     """
 
-    def __init__(self, model: nn.Module, stream: Iterable[tuple[str, torch.Size, torch.dtype]]):
-        self.model = model
+    def __init__(self, model: nn.Module, stream: Iterable[tuple[str, torch.Size, torch.dtype]], prefixes: bool = True):
+        self.model, self.prefixes = model, prefixes
         fused = {n for n, m in model.named_modules() if isinstance(m, FP8Experts) or is_fused_experts(m)}
         tags, expected, start = {}, {}, 0
 
@@ -109,7 +133,7 @@ class CheckpointNames:
                 expected[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :rows]
                 expected[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, rows:]
                 expected[f"{prefix}.{e}.down_proj.weight"] = down[e]
-        self.renames = _renames(model, tags, expected)
+        self.renames = _renames(model, tags, expected, prefixes)
         refused = sorted(w for w in fp8 if not self.renames.get(w, "").endswith("weight"))
         if refused:
             match = _EXPERT_WEIGHT.match(refused[0])
@@ -143,7 +167,7 @@ class CheckpointNames:
             else:
                 rest[name] = t
         if rest:
-            out.extend(_revert(self.model, rest).items())
+            out.extend(_revert(self.model, rest, self.prefixes).items())
         return out
 
 

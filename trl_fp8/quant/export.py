@@ -198,14 +198,17 @@ def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
     return kept
 
 
-def stream_checkpoint_names(model: nn.Module, recipe, attention_names: Sequence[str] = ()) -> CheckpointNames:
+def stream_checkpoint_names(
+    model: nn.Module, recipe, attention_names: Sequence[str] = (), prefixes: bool = True
+) -> CheckpointNames:
     """The checkpoint names `model`'s stream (with Q/K/V scales for `attention_names`) travels and is saved under,
-    found before anything is sent or written: what cannot have one is refused here."""
+    found before anything is sent or written: what cannot have one is refused here. `prefixes` as in
+    `CheckpointNames`."""
     converted = getattr(model, "fp8_recipe", None) is not None
     stream = [(n, t.shape, t.dtype) for n, t in iter_fp8_state(model, None if converted else recipe)]
     scalar = (torch.Size(), torch.float32)
     stream += [(f"{attention}.{x}_scale", *scalar) for attention in attention_names for x in "kvq"]
-    return CheckpointNames(model, stream)
+    return CheckpointNames(model, stream, prefixes)
 
 
 def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:

@@ -106,6 +106,8 @@ class FP8GRPOTrainer(GRPOTrainer):
         if is_peft_model(self.accelerator.unwrap_model(self.model)):  # what the skeleton could not check
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
             check_peft_supported(policy, allow_dropout=not args.fp8_training)
+        if args.fp8_save_format == "fp8":  # refused before conversion, rather than when the run ends
+            stream_checkpoint_names(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
         if args.fp8_training:
             # Conversion warns about what stays in high precision; those warnings point at the user's line that
             # built the trainer rather than at this file (any other warning keeps its own place).
@@ -126,8 +128,6 @@ class FP8GRPOTrainer(GRPOTrainer):
                         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
             self.fp8_backend = learner_backend(policy, recipe)
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
-        if args.fp8_save_format == "fp8":  # refused now rather than when the run ends
-            stream_checkpoint_names(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
 
         if args.use_vllm:
             return  # vLLM samples: block FP8 (FP8VLLMGeneration) or, with fp8_generation=False, TRL's BF16 engine
