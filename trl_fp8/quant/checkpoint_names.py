@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .moe import FP8Experts, is_fused_experts
+from .moe import FP8Experts, expert_views, is_fused_experts
 
 
 _EXPERT_WEIGHT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
@@ -129,10 +129,7 @@ class CheckpointNames:
             tags[f"{prefix}.gate_up_proj"], tags[f"{prefix}.down_proj"] = gate_up, down
             if prefix in hp_experts:
                 expected[f"{prefix}.gate_up_proj"], expected[f"{prefix}.down_proj"] = gate_up, down
-            for e in range(num_experts):
-                expected[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :rows]
-                expected[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, rows:]
-                expected[f"{prefix}.{e}.down_proj.weight"] = down[e]
+            expected |= {f"{name}.weight": view for name, view in expert_views(f"{prefix}.", gate_up, down)}
         self.renames = _renames(model, tags, expected, prefixes)
         refused = sorted(w for w in fp8 if not self.renames.get(w, "").endswith("weight"))
         if refused:
@@ -161,7 +158,10 @@ class CheckpointNames:
         out, rest = [], {}
         for name, t in pairs:
             if name in self.per_expert:
-                out += [(self.renames[piece], view) for piece, view in _per_expert(name, t)]
+                prefix, _, which = name.rpartition(".")
+                gate_up, down = (t, None) if which == "gate_up_proj" else (None, t)
+                views = expert_views(f"{prefix}.", gate_up, down)
+                out += [(self.renames[f"{piece}.weight"], view) for piece, view in views]
             elif name in self.renames:
                 out.append((self.renames[name], t))
             else:
@@ -169,14 +169,3 @@ class CheckpointNames:
         if rest:
             out.extend(_revert(self.model, rest, self.prefixes).items())
         return out
-
-
-def _per_expert(name: str, fused: torch.Tensor):
-    prefix, _, which = name.rpartition(".")
-    if which == "down_proj":
-        yield from ((f"{prefix}.{e}.down_proj.weight", fused[e]) for e in range(fused.shape[0]))
-        return
-    inter = fused.shape[1] // 2
-    for e in range(fused.shape[0]):
-        yield f"{prefix}.{e}.gate_proj.weight", fused[e, :inter]
-        yield f"{prefix}.{e}.up_proj.weight", fused[e, inter:]

@@ -220,17 +220,26 @@ class W8A8Experts(ExpertsGate, nn.ModuleList):
         return out
 
 
+def expert_views(prefix: str, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None):
+    """`(name, view)` of each expert's gate, up and down in fused `gate_up` (E, 2I, ...) and `down` (E, ...), named as
+    checkpoints store experts (`{prefix}{e}.gate_proj`), either tensor alone if the other is `None`: gate is the
+    first half of gate_up's rows, up the second. The same cut serves weights (E, 2I, H) and their 128x128 block
+    scales (E, 2I/128, H/128)."""
+    for e in range((gate_up if gate_up is not None else down).shape[0]):
+        if gate_up is not None:
+            half = gate_up.shape[1] // 2
+            yield f"{prefix}{e}.gate_proj", gate_up[e, :half]
+            yield f"{prefix}{e}.up_proj", gate_up[e, half:]
+        if down is not None:
+            yield f"{prefix}{e}.down_proj", down[e]
+
+
 def iter_expert_pairs(prefix: str, gate_up: tuple, down: tuple):
     """Per-expert checkpoint pairs from fused quantizations `(q, scale_inv)` of gate_up (E, 2I, H) and down."""
     (qgu, sgu), (qd, sd) = gate_up, down
-    inter = qgu.shape[1] // 2
-    for e in range(qgu.shape[0]):
-        yield f"{prefix}{e}.gate_proj.weight", qgu[e, :inter]
-        yield f"{prefix}{e}.gate_proj.weight_scale_inv", sgu[e, : inter // 128]
-        yield f"{prefix}{e}.up_proj.weight", qgu[e, inter:]
-        yield f"{prefix}{e}.up_proj.weight_scale_inv", sgu[e, inter // 128 :]
-        yield f"{prefix}{e}.down_proj.weight", qd[e]
-        yield f"{prefix}{e}.down_proj.weight_scale_inv", sd[e]
+    for (name, q), (_, s) in zip(expert_views(prefix, qgu, qd), expert_views(prefix, sgu, sd), strict=True):
+        yield f"{name}.weight", q
+        yield f"{name}.weight_scale_inv", s
 
 
 @contextmanager
