@@ -1,6 +1,6 @@
 """The colocated vLLM FP8 engine: everything decidable without vLLM runs here on CPU (the `LLM` arguments, the
 refused keys, the version range, stream validation, the refit call sequence; vLLM's block-FP8 layout and the TP rule
-are in tests/test_vllm_layout.py); the end-to-end run needs vLLM and a GPU (`-m vllm`)."""
+are in tests/test_vllm_layout.py); the end-to-end run needs vLLM: its CUDA build on a GPU, or its CPU build (`-m vllm`, tests/scripts/vllm_cpu.sh)."""
 
 import importlib.util
 import json
@@ -256,28 +256,38 @@ def test_refit_call_sequence(sleep_mode):
 
 
 def _vllm_ready() -> bool:
-    return _vllm_installed() and torch.cuda.is_available()
+    """vLLM's CUDA build on a GPU, or its CPU build (`vllm-cpu`, see tests/scripts/vllm_cpu.sh)."""
+    if not _vllm_installed():
+        return False
+    from vllm.platforms import current_platform
+
+    return torch.cuda.is_available() or current_platform.is_cpu()
 
 
-@pytest.mark.gpu
 @pytest.mark.vllm
-@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM and a CUDA GPU")
+@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.parametrize(("kv_cache", "lora"), [(False, False), (True, False), (False, True)], ids=["", "kv", "lora"])
 def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     """Two GRPO steps with colocated vLLM in block FP8 (in a fresh process: one vLLM engine per process). The engine
-    then holds the learner's export bit for bit (with LoRA: each layer's merged weight), the mismatch stays small
-    (< 1.05; < 1.1 with the FP8 KV cache, whose synced K/V/Q scales vLLM must hold), and 50 more syncs leave GPU
-    memory flat."""
+    then holds the learner's export bit for bit (with LoRA: each layer's merged weight) and the synced K/V/Q scales
+    (the tensors and the host floats some attention backends read); 50 more syncs write into the tensors vLLM holds
+    and, on a GPU, leave its memory flat. The mismatch bounds catch a sampler that does not run the synced weights
+    (dummy weights give errors in the hundreds): < 1.05, and < 1.3 with the FP8 KV cache, which on this small model
+    moves single steps a lot: the reference engine, same model, batch and bf16, gave 1.01-1.23 per step over 18
+    steps (3 seeds x 6), vLLM's CPU build 1.06 and 1.14."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_two_steps.py"), str(tmp_path)]
     cmd += ["--kv_cache"] * kv_cache + ["--lora"] * lora
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())
-    assert out["errors"] and max(out["errors"]) < (1.1 if kv_cache else 1.05), out["errors"]
+    assert out["errors"] and max(out["errors"]) < (1.3 if kv_cache else 1.05), out["errors"]
     assert out["bit_identical"] == {"weight": True, "weight_scale_inv": True}
     if kv_cache:
         torch.testing.assert_close(torch.tensor(out["kv_scales_served"]), torch.tensor(out["kv_scales_sent"]))
-    assert out["memory_growth_bytes"] < 16 * 2**20
+        torch.testing.assert_close(torch.tensor(out["kv_scale_floats_served"]), torch.tensor(out["kv_scales_sent"]))
+    assert out["in_place"]
+    if "memory_growth_bytes" in out:
+        assert out["memory_growth_bytes"] < 16 * 2**20
 
 
 @pytest.mark.skipif(not available("qwen3_5"), reason="transformers has no Qwen3.5")

