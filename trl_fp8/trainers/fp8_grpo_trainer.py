@@ -14,6 +14,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..generation.reference import ReferenceEngine, left_pad
+from ..generation.vllm_colocate import restore_module_call
 from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
@@ -102,6 +103,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             )
         with _engine_class(engine):
             super().__init__(model, reward_funcs, args=args, **kwargs)
+        if args.use_vllm:  # before any forward of the learner (ours and TRL's BF16 engine alike)
+            restore_module_call(self.model, self.ref_model)
         self.fp8_backend = "none"
         if is_peft_model(self.accelerator.unwrap_model(self.model)):  # what the skeleton could not check
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
