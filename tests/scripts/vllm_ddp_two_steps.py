@@ -1,0 +1,53 @@
+"""Run by tests/test_vllm_engine.py under `accelerate launch --num_processes 2` (vLLM only): two FP8 GRPO steps with
+DDP, the FP8 KV cache and one colocated vLLM engine per rank, as on a node of GPUs; then each rank writes what its
+engine serves (weights, K/V/Q scales) and its learner's parameters to `<output_dir>/rank{r}.pt`. On vLLM's CPU build
+the block-FP8 GEMM is trl-fp8's `emulated` one, as in tests/scripts/vllm_two_steps.py."""
+
+import os
+import sys
+
+import torch
+from accelerate import PartialState
+from vllm_two_steps import _emulate_vllm_fp8_gemm_on_cpu
+
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
+from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
+
+
+def main(output_dir: str) -> None:
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        _emulate_vllm_fp8_gemm_on_cpu()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args = FP8GRPOConfig(
+        output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
+        use_cpu=not on_gpu, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
+        learning_rate=0.05, fp8_kv_cache=True, report_to="none", logging_steps=1, save_strategy="no",
+        disable_tqdm=True, vllm_llm_kwargs={"enforce_eager": True},
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        str(DEMO_MODEL_DIR), reward_funcs=digit_count_reward, args=args, train_dataset=make_dataset(64)
+    )
+    trainer.train()
+    engine = trainer.vllm_generation
+    engine.sync_weights()  # the refit after the last optimizer step (every rank: the scales are reduced over ranks)
+    names = ("_k_scale_float", "_v_scale_float", "_q_scale_float")
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    torch.save(
+        {
+            "world_size": trainer.accelerator.num_processes,
+            "log_history": trainer.state.log_history,
+            "learner": {n: p.detach().cpu() for n, p in policy.named_parameters()},
+            "export": {n: t.cpu() for n, t in iter_fp8_state(policy)},
+            "served": engine.llm.apply_model(lambda m: {n: p.detach().cpu() for n, p in m.named_parameters()})[0],
+            "kv_scales_served": engine.llm.apply_model(
+                lambda m: [[float(getattr(layer.self_attn.attn, n)) for n in names] for layer in m.model.layers]
+            )[0],
+            "kv_scales_sent": engine._kv_scale_invs.tolist(),
+        },
+        os.path.join(output_dir, f"rank{PartialState().process_index}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
