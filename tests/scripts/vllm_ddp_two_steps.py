@@ -1,33 +1,45 @@
 """Run by tests/test_vllm_engine.py under `accelerate launch --num_processes 2` (vLLM only): two FP8 GRPO steps with
 DDP, the FP8 KV cache and one colocated vLLM engine per rank, as on a node of GPUs; then each rank writes what its
-engine serves (weights, K/V/Q scales) and its learner's parameters to `<output_dir>/rank{r}.pt`. On vLLM's CPU build
-the block-FP8 GEMM is trl-fp8's `emulated` one, as in tests/scripts/vllm_two_steps.py."""
+engine serves (weights, K/V/Q scales), its learner's parameters and its export to `<output_dir>/rank{r}.pt`. With
+`--tp`, the two ranks' engines are one engine in tensor parallelism (`vllm_tensor_parallel_size=2`), on a tiny Qwen3
+whose every shard is whole 128x128 blocks. On vLLM's CPU build the block-FP8 GEMM is trl-fp8's `emulated` one, as in
+tests/scripts/vllm_two_steps.py.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/vllm_ddp_two_steps.py OUTPUT_DIR [--tp]
+"""
 
 import os
 import sys
 
 import torch
 from accelerate import PartialState
+from transformers import AutoTokenizer
 from vllm_two_steps import _emulate_vllm_fp8_gemm_on_cpu
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
+from trl_fp8.demo.families import tiny
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
 
 
-def main(output_dir: str) -> None:
+def main(output_dir: str, tp: bool) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _emulate_vllm_fp8_gemm_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = str(DEMO_MODEL_DIR)
+    if tp:  # k_proj and v_proj 256 rows: 128 per rank (the demo model's 128 would split into half blocks)
+        model = os.path.join(
+            output_dir, f"qwen3-{os.environ['RANK']}"
+        )  # a copy per rank: no rank reads a half-written one
+        tiny("qwen3", head_dim=128).save_pretrained(model)
+        AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).save_pretrained(model)
     args = FP8GRPOConfig(
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
         use_cpu=not on_gpu, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
         learning_rate=0.05, fp8_kv_cache=True, report_to="none", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, vllm_llm_kwargs={"enforce_eager": True},
+        disable_tqdm=True, vllm_llm_kwargs={"enforce_eager": True}, vllm_tensor_parallel_size=2 if tp else 1,
     )  # fmt: skip
-    trainer = FP8GRPOTrainer(
-        str(DEMO_MODEL_DIR), reward_funcs=digit_count_reward, args=args, train_dataset=make_dataset(64)
-    )
+    trainer = FP8GRPOTrainer(model, reward_funcs=digit_count_reward, args=args, train_dataset=make_dataset(64))
     trainer.train()
     engine = trainer.vllm_generation
     engine.sync_weights()  # the refit after the last optimizer step (every rank: the scales are reduced over ranks)
@@ -50,4 +62,4 @@ def main(output_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--tp" in sys.argv[2:])
