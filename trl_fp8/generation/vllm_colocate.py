@@ -42,6 +42,7 @@ def restore_module_call(*models: nn.Module | None) -> list[str]:
                     "__qualname__": cls.__qualname__,
                 }
                 _UNPATCHED[cls] = type(cls.__name__, (cls,), attrs)
+            if cls.__name__ not in found:
                 found.append(cls.__name__)
             module.__class__ = _UNPATCHED[cls]
     if found:
