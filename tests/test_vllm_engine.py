@@ -381,13 +381,13 @@ def test_tensor_parallel_engines_hold_block_aligned_shards_of_the_learners_fp8_w
 
 
 # The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through
-# vLLM 0.31's Transformers backend). Left out: Qwen3.5 (vLLM's classes import torchvision, whose PyPI build loads only
-# on torch's CUDA build), the MoE families (vLLM's CPU build has no block-FP8 MoE kernel), tiny Gemma 2 (untied
-# lm_head) and Phi (GQA), which vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads `block_dim`, which the
-# tiny config lacks), and GPT-OSS (refused with fp8_generation).
+# vLLM 0.31's Transformers backend; Qwen3.5 with an empty torchvision, see tests/scripts/vllm_family.py). Left out: the
+# MoE families (vLLM's CPU build has no block-FP8 MoE kernel), tiny Gemma 2 (untied lm_head) and Phi (GQA), which
+# vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads `block_dim`, which the tiny config lacks), and
+# GPT-OSS (refused with fp8_generation).
 VLLM_FAMILIES = (
-    "qwen3", "mistral", "gemma3", "olmo2", "smollm3", "granite", "glm4", "starcoder2", "cohere2", "exaone4", "ernie4_5",
-    "gpt_neox",
+    "qwen3", "qwen3_5", "mistral", "gemma3", "olmo2", "smollm3", "granite", "glm4", "starcoder2", "cohere2", "exaone4",
+    "ernie4_5", "gpt_neox",
 )  # fmt: skip
 
 
@@ -397,9 +397,11 @@ VLLM_FAMILIES = (
 def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     """Two GRPO steps of a tiny random model of `family`, with a reference model, sampled by colocated vLLM in block
     FP8: every parameter of vLLM's model holds synced values after the refits (none is left at the random values of
-    `load_format="dummy"`), later refits write in place, and the sampler's log-probs agree with the learner's to the
-    bf16 rounding of two different programs (< 1.05). Through vLLM's Transformers backend (OLMo 2, SmolLM3,
-    Starcoder2) this also holds the learner to running after vLLM patched its decoder class in place."""
+    `load_format="dummy"`; for the linears vLLM's CPU build repacks, their output on a fixed input), later refits
+    write in place, and the sampler's log-probs agree with the learner's to the bf16 rounding of two different
+    programs (< 1.05). Through vLLM's Transformers backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner
+    to running after vLLM patched its decoder class in place; with Qwen3.5, its Gated DeltaNet projections go through
+    vLLM's fusion (`in_proj_qkvz` in FP8, `in_proj_ba` in high precision)."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_family.py"), family, str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]

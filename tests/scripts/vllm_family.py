@@ -6,6 +6,8 @@ the block-FP8 GEMM is trl-fp8's `emulated` one, as in tests/scripts/vllm_two_ste
     python tests/scripts/vllm_family.py FAMILY OUTPUT_DIR
 """
 
+import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -19,8 +21,49 @@ from trl_fp8.demo.families import tiny, varied_reward
 from trl_fp8.demo.task import DEMO_MODEL_DIR, make_dataset
 
 
+def _held(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of vLLM's model and, for the linears whose weight vLLM's CPU build moved into a kernel of its
+    own (unquantized ones: `.weight` left empty), their output on a fixed input, which shows what they hold."""
+    held = {n: p.detach().clone().cpu() for n, p in model.named_parameters() if p.numel() > 0}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() == 0 and hasattr(module, "input_size"):
+            x = torch.linspace(-1, 1, module.input_size, dtype=weight.dtype).unsqueeze(0)
+            out = module(x)
+            held[f"{name}(x)"] = (out[0] if isinstance(out, tuple) else out).detach().clone().cpu()
+    return held
+
+
 def _params(engine) -> dict[str, torch.Tensor]:
-    return engine.llm.apply_model(lambda m: {n: p.detach().clone().cpu() for n, p in m.named_parameters()})[0]
+    return engine.llm.apply_model(_held)[0]
+
+
+def _stub_torchvision() -> None:
+    """vLLM's Qwen3.5 classes import transformers' Qwen2-VL image processor, which imports torchvision at module level;
+    PyPI's torchvision is built for torch's CUDA build and does not load on its CPU build. A text policy never runs
+    any of it, so on CPU those imports get empty modules: the one stand-in besides the GEMM."""
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    class Empty(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return importlib.import_module(f"{self.__name__}.{name}")
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "torchvision":
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+        def create_module(self, spec):
+            return Empty(spec.name)
+
+        def exec_module(self, module):
+            module.__version__ = "0.0+stub"
+
+    sys.meta_path.insert(0, Finder())
 
 
 def main(family: str, output_dir: str) -> None:
@@ -28,6 +71,8 @@ def main(family: str, output_dir: str) -> None:
     if not on_gpu:
         _emulate_vllm_fp8_gemm_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if family.startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
+            _stub_torchvision()
     model_dir = os.path.join(output_dir, family)
     tiny(family).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).save_pretrained(model_dir)
@@ -48,7 +93,7 @@ def main(family: str, output_dir: str) -> None:
     key = "sampling/token_mult_prob_error"
     result = {
         "errors": [log[key] for log in trainer.state.log_history if key in log],
-        "params": len(synced),
+        "params": len(synced),  # with the repacked linears' outputs
         "not_written": sorted(n for n, t in synced.items() if torch.equal(t, dummy[n])),
         "in_place": _storages(engine) == storages,
     }
