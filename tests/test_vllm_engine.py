@@ -381,13 +381,12 @@ def test_tensor_parallel_engines_hold_block_aligned_shards_of_the_learners_fp8_w
 
 
 # The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through
-# vLLM 0.31's Transformers backend; Qwen3.5 with an empty torchvision, see tests/scripts/vllm_family.py). Left out: the
-# MoE families (vLLM's CPU build has no block-FP8 MoE kernel), tiny Gemma 2 (untied lm_head) and Phi (GQA), which
-# vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads `block_dim`, which the tiny config lacks), and
-# GPT-OSS (refused with fp8_generation).
+# vLLM 0.31's Transformers backend; Qwen3.5 with an empty torchvision, see tests/scripts/vllm_family.py). Left out:
+# tiny Gemma 2 (untied lm_head) and Phi (GQA), which vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads
+# `block_dim`, which the tiny config lacks), and GPT-OSS (refused with fp8_generation).
 VLLM_FAMILIES = (
-    "qwen3", "qwen3_5", "mistral", "gemma3", "olmo2", "smollm3", "granite", "glm4", "starcoder2", "cohere2", "exaone4",
-    "ernie4_5", "gpt_neox",
+    "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral", "gemma3", "olmo2", "smollm3", "granite", "glm4",
+    "starcoder2", "cohere2", "exaone4", "ernie4_5", "mixtral", "olmoe", "gpt_neox",
 )  # fmt: skip
 
 

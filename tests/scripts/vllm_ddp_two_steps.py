@@ -14,7 +14,7 @@ import sys
 import torch
 from accelerate import PartialState
 from transformers import AutoTokenizer
-from vllm_two_steps import _emulate_vllm_fp8_gemm_on_cpu
+from vllm_two_steps import _emulate_vllm_fp8_kernels_on_cpu
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.families import tiny
@@ -24,7 +24,7 @@ from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
 def main(output_dir: str, tp: bool) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        _emulate_vllm_fp8_gemm_on_cpu()
+        _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = str(DEMO_MODEL_DIR)
     if tp:  # k_proj and v_proj 256 rows: 128 per rank (the demo model's 128 would split into half blocks)

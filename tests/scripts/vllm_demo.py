@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import torch
-from vllm_two_steps import _emulate_vllm_fp8_gemm_on_cpu
+from vllm_two_steps import _emulate_vllm_fp8_kernels_on_cpu
 
 
 ROOT = Path(__file__).resolve().parents[2]
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():
-        _emulate_vllm_fp8_gemm_on_cpu()
+        _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.chdir(ROOT)
     sys.argv = [

@@ -14,7 +14,7 @@ import sys
 
 import torch
 from transformers import AutoTokenizer
-from vllm_two_steps import _emulate_vllm_fp8_gemm_on_cpu, _storages  # this folder: the script's own sys.path[0]
+from vllm_two_steps import _emulate_vllm_fp8_kernels_on_cpu, _storages  # this folder: the script's own sys.path[0]
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 from trl_fp8.demo.families import tiny, varied_reward
@@ -69,7 +69,7 @@ def _stub_torchvision() -> None:
 def main(family: str, output_dir: str) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        _emulate_vllm_fp8_gemm_on_cpu()
+        _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if family.startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
             _stub_torchvision()

