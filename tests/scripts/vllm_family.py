@@ -1,7 +1,7 @@
 """Run by tests/test_vllm_engine.py (vLLM only), one family per process: a tiny random model of a
 `trl_fp8.demo.families` family, saved with the demo tokenizer, trained two FP8 GRPO steps (with a reference model:
 beta > 0) with colocated vLLM in block FP8; the checks' raw material in `<output_dir>/result.json`. On vLLM's CPU build
-the block-FP8 GEMM is trl-fp8's `emulated` one, as in tests/scripts/vllm_two_steps.py.
+the block-FP8 kernels are stood in for as in tests/scripts/vllm_two_steps.py.
 
     python tests/scripts/vllm_family.py FAMILY OUTPUT_DIR
 """
@@ -41,7 +41,7 @@ def _params(engine) -> dict[str, torch.Tensor]:
 def _stub_torchvision() -> None:
     """vLLM's Qwen3.5 classes import transformers' Qwen2-VL image processor, which imports torchvision at module level;
     PyPI's torchvision is built for torch's CUDA build and does not load on its CPU build. A text policy never runs
-    any of it, so on CPU those imports get empty modules: the one stand-in besides the GEMM."""
+    any of it, so on CPU those imports get empty modules: the one stand-in besides the FP8 kernels."""
     import importlib.abc
     import importlib.machinery
     import types

@@ -5,7 +5,8 @@ with `vllm_model_impl="transformers"`) through its Transformers backend, which m
 it runs compilable *in place*: `support_torch_compile` adds a base class to, e.g., transformers' `Olmo2Model` and
 replaces its `__init__` and `__call__`. The policy and the reference model, built before the engine, are instances of
 that very class: the new `__call__` reads `do_not_compile`, which only the new `__init__` sets, so their first forward
-raises `AttributeError: 'Olmo2Model' object has no attribute 'do_not_compile'` (in TRL's own colocated engine too).
+raises `AttributeError: 'Olmo2Model' object has no attribute 'do_not_compile'` (nothing in the patch is FP8's: so
+with TRL's BF16 engine too).
 vLLM's instance needs the patched class; the learner's instances are moved to a subclass with `nn.Module.__call__`
 back (hooks included), which runs them exactly as before the engine existed.
 """
