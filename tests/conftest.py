@@ -193,3 +193,27 @@ def families(*names: str) -> list:
     return [
         pytest.param(f, marks=pytest.mark.skipif(not available(f), reason=f"transformers has no {f}")) for f in names
     ]
+
+
+def launch_two_processes(script, output_dir, *flags, timeout: int = 600) -> list[dict]:
+    """Runs `script OUTPUT_DIR *flags` as two ranks through `accelerate launch` and loads each rank's
+    `<output_dir>/rank{r}.pt`. `--multi_gpu` selects accelerate's torchrun launcher; scripts that set `use_cpu=True`
+    make each rank a CPU process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start one process)."""
+    import socket
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with socket.socket() as free:  # a port of its own: the previous launch's may not be released yet
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", port,
+        str(script), str(output_dir), *flags,
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    errors = [line for line in result.stderr.splitlines() if "Error" in line]  # each rank's, not only the last
+    assert result.returncode == 0, "\n".join(errors[-20:]) + result.stderr[-2000:]
+    return [torch.load(f"{output_dir}/rank{r}.pt", weights_only=False) for r in (0, 1)]

@@ -1,12 +1,9 @@
 """A real two-process DDP run on CPU (gloo) through `accelerate launch`."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from conftest import tiny_policy
+from conftest import launch_two_processes, tiny_policy
 
 from trl_fp8.demo.make_model import build_tokenizer
 
@@ -15,18 +12,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "ddp_two_steps.py"
 
 
 def run_two_processes(tmp_path, *flags) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # `--multi_gpu` selects accelerate's torchrun launcher; the script's `use_cpu=True` makes each rank a CPU
-    # process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start a single process).
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", "29517",
-        str(SCRIPT), str(tmp_path), *flags,
-    ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return launch_two_processes(SCRIPT, tmp_path, *flags)
 
 
 def test_two_process_ddp_ends_with_identical_weights(tmp_path):
