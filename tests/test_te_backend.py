@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import available_backends, resolve_backend
-from trl_fp8.quant.te_linear import is_te_linear, te_status
+from trl_fp8.quant.te_linear import is_te_linear, te_recipe_status, te_status
+from trl_fp8.trainers.checks import check_backend_runs_here
 
 
 TE_OK = te_status()[0] and torch.cuda.is_available()
@@ -86,6 +87,20 @@ def test_a_usable_transformer_engine_says_how_it_runs_the_recipe(monkeypatch, ca
     try:
         ok, why = te_status()
         assert ok and re.search(message, why), why
+        # With fp32 scales TE cannot run the recipe on Blackwell: `te` says so before anything is converted, and
+        # `auto` leaves TE out (the model here is on the CPU, so `auto` would leave it out anyway).
+        assert te_recipe_status(pow2_scales=True) == (True, why)
+        ok32, why32 = te_recipe_status(pow2_scales=False)
+        if capability[0] >= 10:
+            assert (
+                not ok32 and why32 == "SM100: TransformerEngine runs this recipe as MXFP8 there, set pow2_scales=True"
+            )
+            with pytest.raises(RuntimeError, match="'te' cannot run here: SM100: .*set pow2_scales=True"):
+                check_backend_runs_here(FP8Recipe(backend="te"), torch.device("cuda"))
+        else:
+            assert (ok32, why32) == (True, why)
+            check_backend_runs_here(FP8Recipe(backend="te"), torch.device("cuda"))
+        check_backend_runs_here(FP8Recipe(backend="te", pow2_scales=True), torch.device("cuda"))
     finally:
         te_status.cache_clear()
 

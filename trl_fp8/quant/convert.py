@@ -18,7 +18,7 @@ import warnings
 from torch import nn
 
 from .linear import FP8Linear
-from .te_linear import is_te_linear, te_linear_class, te_status
+from .te_linear import is_te_linear, te_linear_class, te_recipe_status, te_status
 
 
 logger = logging.getLogger(__name__)
@@ -264,10 +264,12 @@ def _te_linear_for(model: nn.Module, recipe):
     """TransformerEngine's linear class when the recipe asks for it (or `auto` finds it usable), else `None`."""
     if recipe.backend not in ("te", "auto"):
         return None
-    ok, why = te_status()
+    ok, why = te_recipe_status(recipe.pow2_scales)
     on_gpu = any(p.is_cuda for p in model.parameters())
     if recipe.backend == "te" and not (ok and on_gpu):
         raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else 'the model is not on a GPU'}")
+    if not ok and on_gpu and te_status()[0]:  # TE is there but not for this scale rule (Blackwell, fp32 scales)
+        logger.info("trl-fp8: backend='auto' leaves TransformerEngine out (%s)", why)
     if not (ok and on_gpu) or recipe.weight_block_size != [128, 128]:  # TE's block recipe is 128x128 only
         return None
     logger.info("trl-fp8: backend=%r converts linears to TransformerEngine (%s)", recipe.backend, why)

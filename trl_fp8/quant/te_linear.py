@@ -56,6 +56,15 @@ def te_status() -> tuple[bool, str]:
     return True, f"TransformerEngine on SM{major}{minor}"
 
 
+def te_recipe_status(pow2_scales: bool) -> tuple[bool, str]:
+    """Whether TransformerEngine can run the recipe with this scale rule here, and why (not): `te_status`, and on
+    Blackwell only with power-of-2 scales, since TE runs the recipe there as MXFP8, whose scales are powers of 2."""
+    ok, why = te_status()
+    if ok and not pow2_scales and torch.cuda.get_device_capability()[0] >= 10:
+        return False, f"{why.split(':')[0]}: TransformerEngine runs this recipe as MXFP8 there, set pow2_scales=True"
+    return ok, why
+
+
 def te_block_recipe(pow2_scales: bool):
     """TE's `Float8BlockScaling` with the recipe's scale rule (fp32 or power-of-2 scales) for X, W and dY."""
     from transformer_engine.common.recipe import Float8BlockScaling, QParams

@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..quant.backends import resolve_backend
-from ..quant.te_linear import te_status
+from ..quant.te_linear import te_recipe_status
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -83,7 +83,7 @@ def check_backend_runs_here(recipe, device: torch.device) -> None:
     """Refuses a backend the training device cannot run before GRPOTrainer loads anything (models, vLLM) and before
     the user's model is converted: nothing is changed by a failed start."""
     if recipe.backend == "te":
-        ok, why = te_status()
+        ok, why = te_recipe_status(recipe.pow2_scales)
         if not (ok and device.type == "cuda"):
             raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else f'training runs on {device}'}")
     elif recipe.backend != "auto":
