@@ -5,11 +5,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
+import torch
 from trl import ModelConfig, TrlParser
 
-from trl_fp8 import FP8GRPOConfig
+from trl_fp8 import FP8GRPOConfig, convert_to_fp8
 from trl_fp8.demo.task import accuracy_reward
 
 
@@ -47,6 +50,33 @@ def test_every_recipe_parses_into_fp8_grpo_config(tmp_path):
         for word in path.read_text().split():
             if word.startswith("examples/accelerate_configs/"):
                 assert (ROOT / word).exists(), (path.name, word)
+
+
+@pytest.mark.parametrize("q_lora_rank", [128, None], ids=["q_lora", "full_rank_q"])
+def test_the_moonlight_recipe_keeps_exactly_mlas_low_rank_projections_in_high_precision(tmp_path, q_lora_rank):
+    """NeMo RL keeps every linear whose name holds `a_proj` or `b_proj` in BF16; MLA has q_a_proj / q_b_proj only
+    where the config sets q_lora_rank (DeepSeek-V2-Lite-style configs have a full-rank q_proj): no pattern may then
+    match nothing (a warning), and nothing else may be kept."""
+    from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3
+    from trl_fp8.quant.convert import select_fp8_linears
+
+    parser = TrlParser((load_example().ScriptArguments, FP8GRPOConfig, ModelConfig))
+    path = ROOT / "recipes" / "moonlight_16b_a3b_fp8.yaml"
+    args = parser.parse_args_and_config(
+        args=["--config", str(path), "--output_dir", str(tmp_path), "--use_cpu", "true"]
+    )
+    recipe = args[1].resolved_fp8_recipe
+    assert recipe.modules_to_not_convert == MOONLIGHT_RECIPE.modules_to_not_convert  # the tests' copy is the recipe's
+    model = tiny_deepseek_v3(q_lora_rank=q_lora_rank)
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    mla = {n for n in linears if n.rsplit(".", 1)[1] in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")}
+    assert len(mla) == (8 if q_lora_rank else 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "match no module", or anything else kept
+        converted, kept = select_fp8_linears(model, recipe)
+        convert_to_fp8(model, recipe)
+    assert not kept and mla.isdisjoint(converted)
+    assert set(converted) == {n for n in linears if n not in mla and not n.endswith("mlp.gate")}
 
 
 def test_demo_runs_through_accelerate_launch(tmp_path):

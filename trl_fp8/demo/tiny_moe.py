@@ -28,7 +28,7 @@ def tiny_qwen3_moe(tokenizer=None, seed=0):
     return Qwen3MoeForCausalLM(config)
 
 
-def tiny_deepseek_v3(tokenizer=None, seed=0):
+def tiny_deepseek_v3(tokenizer=None, seed=0, q_lora_rank: int | None = 128):
     torch.manual_seed(seed)
     ids = {} if tokenizer is None else dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = DeepseekV3Config(
@@ -45,7 +45,7 @@ def tiny_deepseek_v3(tokenizer=None, seed=0):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        q_lora_rank=128,
+        q_lora_rank=q_lora_rank,  # None: a full-rank q_proj, as DeepSeek-V2-Lite
         kv_lora_rank=128,
         qk_rope_head_dim=64,
         qk_nope_head_dim=64,
@@ -58,4 +58,4 @@ def tiny_deepseek_v3(tokenizer=None, seed=0):
 
 
 # Moonlight keeps MLA's low-rank projections in BF16 (NeMo RL's recipe).
-MOONLIGHT_RECIPE = FP8Recipe(modules_to_not_convert=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"])
+MOONLIGHT_RECIPE = FP8Recipe(modules_to_not_convert=["*a_proj*", "*b_proj*"])  # as recipes/moonlight_16b_a3b_fp8.yaml
