@@ -6,6 +6,7 @@ learner finds unlikely dominates the mean).
 
     python benchmarks/families.py            # 10 steps per run, every family (about 3 minutes on 2 cores)
     python benchmarks/families.py --quick    # 2 steps, three families, into a temporary folder
+    python benchmarks/families.py --bf16 --families qwen3 mistral --output_dir /tmp/families_bf16  # TRL's bf16=True
 
 Writes `<output_dir>/families.md` (the table), `families.json` (every run's mismatch per step) and `families.png`
 (`token_mult_prob_error - 1` per family and configuration, log scale).
@@ -40,12 +41,12 @@ CONFIGS = {
 KEY = "sampling/token_mult_prob_error"
 
 
-def run(family: str, config: dict, steps: int, output_dir: str) -> tuple[list[float], float]:
+def run(family: str, config: dict, steps: int, output_dir: str, bf16: bool = False) -> tuple[list[float], float]:
     """One run: the mismatch per step, and the share of the model's parameters the sampler receives in FP8."""
     tokenizer = build_tokenizer()
     args = FP8GRPOConfig(
         output_dir=output_dir, learning_rate=0.01, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=8, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
+        max_completion_length=8, max_steps=steps, logging_steps=1, report_to="none", use_cpu=True, bf16=bf16,
         save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, seed=0, **config,
     )  # fmt: skip
     trainer = FP8GRPOTrainer(
@@ -81,7 +82,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, precision: str = "fp32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +97,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks([x + width for x in range(len(families))], families, rotation=45, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("token_mult_prob_error - 1 (log scale)")
-    ax.set_title("Learner/sampler mismatch per model family (tiny random models, median over steps)")
+    ax.set_title(f"Learner/sampler mismatch per model family (tiny random models, {precision}, median over steps)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -110,6 +111,9 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--quick", action="store_true", help="2 steps, three families: a smoke run for CI")
+    parser.add_argument(
+        "--bf16", action="store_true", help="TRL's default bf16=True (the learner under bf16 autocast)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.families = 2, ["qwen3", "qwen3_5", "gpt_oss"]
@@ -126,19 +130,20 @@ def main():
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for family, config in tqdm([(f, c) for f in families for c in CONFIGS], desc="family runs"):
-            errors, share = run(family, CONFIGS[config], args.steps, tmp)
+            errors, share = run(family, CONFIGS[config], args.steps, tmp, bf16=args.bf16)
             entry = results.setdefault(family, {"kept": kept_in_high_precision(family)})
             entry[config] = dict(errors=errors)
             if config == "FP8/FP8":
                 entry["fp8_share"] = share
     minutes = (time.perf_counter() - start) / 60
-    text = table(results)
+    text, precision = table(results), "bf16=True" if args.bf16 else "fp32"
     (out / "families.md").write_text(
-        f"{text}\n\n{args.steps} GRPO steps of 8 completions per run (seed 0, lr 0.01, fp32, the reference engine), "
-        f"{minutes:.1f} min in all; `token_mult_prob_error`: the median over each run's steps (its largest step).\n"
+        f"{text}\n\n{args.steps} GRPO steps of 8 completions per run (seed 0, lr 0.01, {precision}, the reference "
+        f"engine), {minutes:.1f} min in all; `token_mult_prob_error`: the median over each run's steps (its largest "
+        "step).\n"
     )
     (out / "families.json").write_text(json.dumps({"steps": args.steps, "runs": results}))
-    plot(results, out / "families.png")
+    plot(results, out / "families.png", precision)
     print(text)
     print(f"wrote {out / 'families'}.md, .json, .png ({minutes:.1f} min)")
 
