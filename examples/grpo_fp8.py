@@ -7,7 +7,7 @@
 """
 GRPO with FP8 in both generation and training: `FP8GRPOTrainer`, a drop-in `GRPOTrainer`.
 
-CPU demo (no GPU, no Hub; a few minutes on 2 cores), from the repository root:
+CPU demo (no GPU, no Hub; about a minute on 2 cores), from the repository root:
 
     accelerate launch examples/grpo_fp8.py --config recipes/demo_cpu.yaml
 
