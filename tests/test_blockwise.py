@@ -284,6 +284,8 @@ def test_any_float_dtype_and_leading_dims(dtype):
 def test_bad_block_size_and_scale_shape_raise():
     with pytest.raises(ValueError, match="block_size"):
         quantize_blockwise(torch.randn(4, 4), (0, 128))
+    with pytest.raises(ValueError, match="cannot quantize 'step': expected at least 1 dim, got a 0-dim tensor"):
+        quantize_blockwise(torch.tensor(3.0), name="step")
     q, s = quantize_blockwise(torch.randn(256, 256))
     with pytest.raises(ValueError, match="scale_inv has shape"):
         dequantize_blockwise(q, s[:1])

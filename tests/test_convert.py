@@ -8,7 +8,7 @@ from conftest import sqnr_db, tiny_config_kwargs
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_fp8 import FP8Recipe, convert_to_fp8
+from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.quant import FP8Linear, fp8_modules, select_fp8_linears
 
 
@@ -52,6 +52,19 @@ def test_excluded_modules_are_untouched(tiny_llama):
     ]
     assert sorted(fp8_modules(model)) == sorted(expected)
     assert model.fp8_recipe is recipe
+
+
+def test_the_stream_of_an_unconverted_model_takes_the_recipe_as_convert_to_fp8_does(tiny_llama):
+    """`iter_fp8_state(model, recipe)` quantizes what the recipe selects on a model nobody converted (the BF16
+    learner of FP8 generation alone); the recipe may be a dict, as for `convert_to_fp8`."""
+    fields = {"modules_to_not_convert": ["mlp.down_proj"], "num_first_layers_in_bf16": 1}
+    from_dict, from_recipe = iter_fp8_state(tiny_llama, fields), iter_fp8_state(tiny_llama, FP8Recipe(**fields))
+    for (name, a), (name_b, b) in zip(from_dict, from_recipe, strict=True):
+        assert name == name_b and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    fp8 = {n for n, t in iter_fp8_state(tiny_llama, fields) if t.dtype == torch.float8_e4m3fn}
+    expected = {f"model.layers.{i}.{kind}.{p}.weight" for i in (1, 2) for kind, p in (
+        *(("self_attn", p) for p in PROJ[:4]), ("mlp", "gate_proj"), ("mlp", "up_proj"))}  # fmt: skip
+    assert fp8 == expected
 
 
 def test_misaligned_layers_stay_high_precision_with_one_warning():

@@ -207,6 +207,8 @@ def test_config_defaults_and_contradictions(tmp_path):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe={"blocks": 3})
     with pytest.raises(ValueError, match=r"generation_kwargs\['num_return_sequences'\] is set by .*num_generations"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"num_return_sequences": 2})
+    with pytest.raises(ValueError, match=r"generation_kwargs\['num_beams'\] is set by .*; remove it \(GRPO samples"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs={"num_beams": 2})
     with pytest.raises(ValueError, match=r"fp8_recipe: expected an FP8Recipe, a dict .* got int 123"):
         FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe=123)
     # The samplers take 128x128 blocks only: refused here, not at the first weight sync after loading everything.
@@ -218,15 +220,33 @@ def test_config_defaults_and_contradictions(tmp_path):
     ).resolved_fp8_recipe.weight_block_size == [64, 64]
     for field, value, message in (
         ("fp8_save_format", "fp16", "fp8_save_format must be 'bf16' or 'fp8', got 'fp16'"),
-        ("fp8_kv_scale_margin", 0.0, "fp8_kv_scale_margin must be positive"),
+        ("fp8_kv_scale_margin", 0.0, "fp8_kv_scale_margin must be positive and finite, got 0.0"),
+        # An infinite margin made every KV scale inf, refused only at the first sync, naming the scales.
+        ("fp8_kv_scale_margin", float("inf"), "fp8_kv_scale_margin must be positive and finite, got inf"),
         ("fp8_kv_scale_percentile", 0.0, r"fp8_kv_scale_percentile must be in \(0, 100\]"),
-        ("fp8_kv_calibration_rows", 0, "fp8_kv_calibration_rows must be at least 1"),
+        ("fp8_kv_scale_percentile", float("nan"), r"fp8_kv_scale_percentile must be in \(0, 100\], got nan"),
+        ("fp8_kv_scale_percentile", "99", r"fp8_kv_scale_percentile must be in \(0, 100\], got '99'"),
+        ("fp8_kv_calibration_rows", 0, "fp8_kv_calibration_rows must be an int, at least 1, got 0"),
+        # A float failed at the first generation with "'float' object cannot be interpreted as an integer".
+        ("fp8_kv_calibration_rows", 1.5, "fp8_kv_calibration_rows must be an int, at least 1, got 1.5"),
+        # A string from Python code was truthy: "false" trained in FP8.
+        ("fp8_training", "false", "fp8_training must be True or False, got 'false'"),
+        ("fp8_kv_cache", 1, "fp8_kv_cache must be True or False, got 1"),
+        # TRL reads these at the first generation, after loading everything, and takes a negative cap (every token's
+        # weight then changes sign).
+        ("vllm_importance_sampling_mode", "TOKEN_TRUNCATE", "vllm_importance_sampling_mode must be one of"),
+        ("vllm_importance_sampling_clip_max", -1.0, "vllm_importance_sampling_clip_max must be positive and finite"),
+        ("vllm_importance_sampling_clip_min", -0.5, "vllm_importance_sampling_clip_min must be non-negative"),
     ):
         with pytest.raises(ValueError, match=message):
             FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
     # The edges that are allowed: the KV scale at the calibration's plain maximum, vespo with per-token masking, and
     # vespo with a sequence mode while the correction that mode names is off.
     FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_scale_percentile=100)
+    FP8GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_max=None, vllm_importance_sampling_clip_min=0.0,
+    )  # fmt: skip
     FP8GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, loss_type="vespo", vllm_importance_sampling_mode="token_mask"
     )

@@ -85,9 +85,9 @@ def refuse_reserved(field: str, user_kwargs: dict | None, reserved: dict[str, st
     user_kwargs = dict(user_kwargs or {})
     for key in user_kwargs:
         if key in reserved:
-            raise ValueError(
-                f"{field}[{key!r}] is set by FP8GRPOTrainer's sampling engine; use {reserved[key]} instead."
-            )
+            what = reserved[key]
+            advice = f"remove it ({what.removeprefix('nothing: ')})" if what.startswith("nothing") else f"use {what}"
+            raise ValueError(f"{field}[{key!r}] is set by FP8GRPOTrainer's sampling engine; {advice}.")
     return user_kwargs
 
 

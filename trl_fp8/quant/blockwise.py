@@ -89,7 +89,7 @@ def quantize_blockwise(
 
     Args:
         x (`torch.Tensor`):
-            Input of any float dtype and at least 2 dims (a 1-D tensor is treated as one row), on any device.
+            Input of any float dtype and at least 1 dim (a 1-D tensor is treated as one row), on any device.
         block_size (`tuple[int, int]`, *optional*, defaults to `(128, 128)`):
             Block shape over the last two dims: `(128, 128)` for weights, `(1, 128)` for activations.
         pow2_scales (`bool`, *optional*, defaults to `False`):
@@ -106,6 +106,8 @@ def quantize_blockwise(
     block_size = _check_block_size(block_size)
     if not x.is_floating_point():
         raise ValueError(f"cannot quantize {name!r}: expected a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"cannot quantize {name!r}: expected at least 1 dim, got a 0-dim tensor")
     squeeze = x.dim() == 1
     if squeeze:
         x = x.unsqueeze(0)

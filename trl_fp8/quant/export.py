@@ -32,10 +32,15 @@ from .te_linear import is_te_linear
 
 
 def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields the stream of `model` (unwrapped: no DDP `module.` prefix). Tied parameters appear once."""
+    """Yields the stream of `model` (unwrapped: no DDP `module.` prefix). Tied parameters appear once. `recipe`
+    (an `FP8Recipe`, a dict of its fields or a recipe path, as `convert_to_fp8` takes) also quantizes the linears it
+    selects that are still high precision; without it only converted modules are sent in FP8."""
     to_quantize: set[str] = set()
     experts_to_quantize: set[str] = set()
     if recipe is not None:
+        from ..recipe import FP8Recipe  # the recipe module imports trl_fp8.quant
+
+        recipe = FP8Recipe.from_any(recipe)
         to_quantize = set(select_fp8_linears(model, recipe)[0])
         experts_to_quantize = set(select_fp8_experts(model, recipe)[0])
     done: set[str] = set()

@@ -211,10 +211,10 @@ class FP8Linear(nn.Linear):
 
     @torch.no_grad()
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(weight_fp8 (N, K), weight_scale_inv (ceil(N/128), ceil(K/128)))`, cached until the weight changes:
-        an optimizer step, an in-place write (version counter), a new tensor or `mark_weights_changed()` (writes
-        through `.data` bypass the version counter). The cache itself is returned: read it, never write it. Raises a
-        `ValueError` naming the parameter if the weight holds NaN or inf."""
+        """`(weight_fp8 (N, K), weight_scale_inv (ceil(N / block_rows), ceil(K / block_cols)))`, cached until the
+        weight changes: an optimizer step, an in-place write (version counter), a new tensor or
+        `mark_weights_changed()` (writes through `.data` bypass the version counter). The cache itself is returned:
+        read it, never write it. Raises a `ValueError` naming the parameter if the weight holds NaN or inf."""
         q, s, _, _ = self._quantized(check_finite=True)
         return q, s
 

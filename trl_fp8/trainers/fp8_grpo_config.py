@@ -1,4 +1,6 @@
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,12 +169,17 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(
                 "fp8_kv_cache=True needs fp8_generation=True: the FP8 KV cache belongs to the FP8 sampler."
             )
-        if not 0 < self.fp8_kv_scale_percentile <= 100:
-            raise ValueError(f"fp8_kv_scale_percentile must be in (0, 100], got {self.fp8_kv_scale_percentile}")
-        if not self.fp8_kv_scale_margin > 0:
-            raise ValueError(f"fp8_kv_scale_margin must be positive, got {self.fp8_kv_scale_margin}")
-        if self.fp8_kv_calibration_rows < 1:
-            raise ValueError(f"fp8_kv_calibration_rows must be at least 1, got {self.fp8_kv_calibration_rows}")
+        for name in ("fp8_training", "fp8_generation", "fp8_kv_cache", "fp8_mismatch_metrics"):
+            if not isinstance(getattr(self, name), bool):  # "false" from a Python caller would read as True
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not (_is_real(self.fp8_kv_scale_percentile) and 0 < self.fp8_kv_scale_percentile <= 100):
+            raise ValueError(f"fp8_kv_scale_percentile must be in (0, 100], got {self.fp8_kv_scale_percentile!r}")
+        if not (_is_real(self.fp8_kv_scale_margin) and 0 < self.fp8_kv_scale_margin < math.inf):
+            raise ValueError(f"fp8_kv_scale_margin must be positive and finite, got {self.fp8_kv_scale_margin!r}")
+        rows = self.fp8_kv_calibration_rows
+        if not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1):
+            raise ValueError(f"fp8_kv_calibration_rows must be an int, at least 1, got {rows!r}")
+        self._check_importance_sampling()
         if isinstance(self.vllm_llm_kwargs, str):
             self.vllm_llm_kwargs = _json_field("vllm_llm_kwargs", self.vllm_llm_kwargs)
         if self.vllm_llm_kwargs is not None and not isinstance(self.vllm_llm_kwargs, dict):
@@ -216,10 +223,33 @@ class FP8GRPOConfig(GRPOConfig):
                 f"{self.vllm_importance_sampling_mode!r}."
             )
 
+    def _check_importance_sampling(self) -> None:
+        """TRL reads the mode and the caps at the first generation, after loading the models, and accepts a negative
+        cap (which flips the sign of every token's weight): refused here, naming the field."""
+        if self.vllm_importance_sampling_mode not in IS_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {self.vllm_importance_sampling_mode!r}"
+            )
+        for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            is_max = name.endswith("max")
+            if not (_is_real(value) and (value > 0 if is_max else value >= 0) and value < math.inf):
+                bound = "positive" if is_max else "non-negative"
+                raise ValueError(f"{name} must be {bound} and finite (or None), got {value!r}")
+
     @property
     def resolved_fp8_recipe(self) -> FP8Recipe:
         """The `FP8Recipe` that `fp8_recipe` describes."""
         return self._fp8_recipe
+
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's, read in its trainer
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _json_field(field_name: str, text: str):
