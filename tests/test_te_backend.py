@@ -16,7 +16,6 @@ from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import available_backends, resolve_backend
 from trl_fp8.quant.te_linear import is_te_linear, te_recipe_status, te_status
-from trl_fp8.trainers.checks import check_backend_runs_here
 
 
 TE_OK = te_status()[0] and torch.cuda.is_available()
@@ -77,6 +76,9 @@ def test_a_transformer_engine_that_cannot_run_the_recipe_is_explained(monkeypatc
 def test_a_usable_transformer_engine_says_how_it_runs_the_recipe(monkeypatch, capability, message):
     """Stand-ins again (TE and a GPU cannot run here): a TE whose block-scaling query says yes, and the compute
     capability of a Hopper or a Blackwell GPU, where TE runs this recipe as MXFP8."""
+    # The GPU machine that runs this file has no TRL, which the trainers' checks import (before the stand-in TE,
+    # which TRL's imports would trip over).
+    check_backend_runs_here = pytest.importorskip("trl_fp8.trainers.checks").check_backend_runs_here
     package, module = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
     module.autocast, module.is_fp8_block_scaling_available = None, lambda return_reason: (True, "")
     package.pytorch = module

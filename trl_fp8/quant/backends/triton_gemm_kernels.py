@@ -4,6 +4,8 @@ forms for MoE experts. The operands come from `triton_kernels.py`'s quantizers; 
 `emulated` on the same FP8 operands.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -112,7 +114,10 @@ def _shape_bucket(m: int, n: int, k: int) -> int:
 
 def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether TMA can read A and B: rows at 16-byte aligned addresses (not broadcast), contiguous along K, on an
-    NVIDIA GPU that has TMA (Hopper and newer; the interpreter emulates it)."""
+    NVIDIA GPU that has TMA (Hopper and newer; the interpreter emulates it). `TRL_FP8_TRITON_TMA=0` leaves the
+    warp-specialized TMA configs out, read at every launch (`benchmarks/gpu_checks.sh` sets it if they hang)."""
+    if os.environ.get("TRL_FP8_TRITON_TMA", "1") == "0":
+        return False
     aligned = all(
         t.stride(1) == 1 and t.stride(0) > 0 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
     )
