@@ -10,6 +10,8 @@ itself is checked on the GPU.
 import copy
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,6 +195,34 @@ def test_triton_gemm_matches_emulated(b_block, transposed_b, tile):
     ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
     assert out.shape == (200, 136)
     assert sqnr_db(ref, out) > ACCUMULATION_DB
+
+
+_FAR_STORE = """
+import sys, torch, triton
+from trl_fp8.quant import quantize_blockwise
+from trl_fp8.quant.backends.triton_gemm_kernels import _shape_bucket, gemm, gemm_kernel
+
+device, (m, n, k) = sys.argv[1], (130, 128, 128)
+torch.manual_seed(0)
+a, sa = quantize_blockwise(torch.randn(m, k, device=device), (1, 128))
+b, sb = quantize_blockwise(torch.randn(n, k, device=device), (128, 128))
+# Rows 2**24 elements apart: rows 128 and 129 land past 2**31, as an (M, N) output with M * N > 2**31 would; 4 GiB
+# of address space, of which only the rows written are ever touched.
+c = torch.empty(2**24 * (m - 1) + n, dtype=torch.bfloat16, device=device).as_strided((m, n), (2**24, 1))
+config = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=4, TMA=False)
+args = (a, b, c, sa, sb, m, n, k, *a.stride(), *b.stride(), *c.stride(), *sa.stride(), *sb.stride(),
+        _shape_bucket(m, n, k), 0)
+gemm_kernel[(triton.cdiv(m, 64) * triton.cdiv(n, 64),)](*args, B_ROWS_PER_SCALE=128, BLOCK_K=128, **config)
+assert torch.equal(c, gemm(a, sa, b, sb, (128, 128), torch.bfloat16, config=config)), "rows differ"
+"""
+
+
+def test_triton_gemm_stores_past_2_31_elements():
+    """The output offset is int64: with int32, rows past 2**31 elements (M * N > 2**31, e.g. 64k tokens through a 70B
+    model's stacked gate/up) wrapped around to negative offsets, which crashed the interpreter (segfault) and would
+    write outside the output on a GPU. A subprocess, so that such a crash fails this test alone."""
+    run = subprocess.run([sys.executable, "-c", _FAR_STORE, DEVICE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
 
 
 def test_triton_gemm_keeps_tma_to_operands_it_can_read(monkeypatch):

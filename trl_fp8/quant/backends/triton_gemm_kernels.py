@@ -65,7 +65,8 @@ def gemm_kernel(
             acc = tl.fma(tl.dot(a, b), a_s[:, None] * b_s[None, :], acc)
     c = acc.to(c_ptr.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, c, mask=mask)
+    # int64 here too: M * N passes 2**31 (64k tokens through a 70B model's stacked gate/up).
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn, c, mask=mask)
 
 
 # None of these spills more than a few registers on SM90 (compiled without a GPU: `python benchmarks/sm90_static.py`;
