@@ -46,9 +46,18 @@ def _no_visible_gpu(**_):
         (dict(__version__="2.8.0"), r"TransformerEngine 2.8.0 is too old for this backend \(needs >= 2.20\)"),
         # `autocast` arrived before the block-scaling query: a TE with only the first is too old too, not GPU-less.
         (dict(__version__="2.3.0", autocast=None), r"TransformerEngine 2.3.0 is too old for this backend"),
-        (dict(autocast=None, is_fp8_block_scaling_available=_no_visible_gpu), "cannot query the GPU: No CUDA GPUs"),
+        # 2.9-2.16 have both names, but not the `constants.DType` the export reads: refused here, so that `auto`
+        # falls back instead of failing inside convert_to_fp8.
+        (
+            dict(__version__="2.16.0", autocast=None, is_fp8_block_scaling_available=lambda **_: (True, "")),
+            r"TransformerEngine 2.16.0 is too old for this backend",
+        ),
+        (
+            dict(__version__="2.20.2", autocast=None, is_fp8_block_scaling_available=_no_visible_gpu),
+            "cannot query the GPU: No CUDA GPUs",
+        ),
     ],
-    ids=["too_old", "without_block_scaling", "no_visible_gpu"],
+    ids=["too_old", "without_block_scaling", "without_dtype_constants", "no_visible_gpu"],
 )
 def test_a_transformer_engine_that_cannot_run_the_recipe_is_explained(monkeypatch, fake_te, reason):
     """TE cannot be installed here, so stand-ins (the one mock in this file) play an old TE and a TE whose GPU
@@ -81,6 +90,7 @@ def test_a_usable_transformer_engine_says_how_it_runs_the_recipe(monkeypatch, ca
     check_backend_runs_here = pytest.importorskip("trl_fp8.trainers.checks").check_backend_runs_here
     package, module = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
     module.autocast, module.is_fp8_block_scaling_available = None, lambda return_reason: (True, "")
+    package.__version__ = "2.20.2"  # TE keeps its version on the package
     package.pytorch = module
     monkeypatch.setitem(sys.modules, "transformer_engine", package)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", module)
@@ -155,3 +165,21 @@ def test_te_linear_matches_emulated(tokens, bias):
     assert yf.shape == ys.shape
     for got, ref in ((yf, ys), (xf.grad, xs.grad), (fast.weight.grad, slow.weight.grad)):
         assert sqnr_db(ref, got) > 40
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+@te_only
+def test_te_export_refuses_nonfinite_weights_and_keeps_frozen_biases():
+    """TE's block quantizer drops NaN from a block's amax and gives an inf amax scale 1: its scales stay finite, so
+    the export checks the weight itself. TE registers a trainable bias of its own: a frozen one must stay frozen."""
+    from trl_fp8.quant.te_linear import te_linear_class
+
+    lin = nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
+    lin.bias.requires_grad_(False)
+    fast = te_linear_class().from_linear(lin, pow2_scales=False, name="layers.0.q_proj")
+    assert fast.weight.requires_grad and not fast.bias.requires_grad
+    with torch.no_grad():
+        fast.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"cannot quantize 'layers.0.q_proj.weight' to FP8: 1 of 65536 .*1 NaN"):
+        fast.quantized_weight()

@@ -8,7 +8,11 @@ Written against TransformerEngine 2.20's source; no machine this project tests o
   imported into class attributes of `Float8BlockScaling` (its constructor flag is ignored), so it depends on who
   imported TE first. The recipe's scale rule is set on the `Float8BlockScaling` instance instead (TE reads the
   `fp8_quant_*` parameters from the instance it is given), whatever the variable said.
-- `te.autocast(recipe=None)` would pick DelayedScaling on Hopper: the recipe is always passed.
+- `te.autocast(recipe=None)` would pick DelayedScaling on Hopper: the recipe is always passed, with
+  `backward_override=None` (its default is `NVTE_BACKWARD_OVERRIDE`, read at import, which can make the backward
+  high precision).
+- TE's block quantizer never yields a non-finite scale (NaN drops out of a block's amax; an inf amax gets scale 1),
+  so the export checks the weight itself for NaN and inf, as the other backends' quantizer does.
 - The swapped module keeps `weight` / `bias` names, and has no `_extra_state` entry (no framework-private state in
   checkpoints or in the sync stream).
 - `quantized_weight()` returns TE's own block quantization of the weight (its `Float8BlockQuantizer`, the one its
@@ -23,11 +27,16 @@ Written against TransformerEngine 2.20's source; no machine this project tests o
 
 import functools
 import math
+import sys
 
 import torch
 from torch import nn
 
+from .blockwise import _raise_nonfinite
 from .linear import weights_epoch
+
+
+MIN_TE_VERSION = (2, 20)  # what this file was written against; 2.9-2.16 have the names below but not constants.DType
 
 
 @functools.cache
@@ -39,11 +48,10 @@ def te_status() -> tuple[bool, str]:
         return False, 'transformer_engine is not installed (pip install "trl-fp8[te]", on a CUDA machine)'
     except Exception as err:  # a broken CUDA install surfaces here, not as ImportError
         return False, f"transformer_engine failed to import: {err}"
-    if not hasattr(te, "is_fp8_block_scaling_available") or not hasattr(te, "autocast"):
-        return (
-            False,
-            f"TransformerEngine {getattr(te, '__version__', '?')} is too old for this backend (needs >= 2.20)",
-        )
+    version = _te_version(te)
+    if version is None or version < MIN_TE_VERSION or not hasattr(te, "is_fp8_block_scaling_available"):
+        shown = getattr(te, "__version__", None) or getattr(sys.modules.get("transformer_engine"), "__version__", "?")
+        return False, f"TransformerEngine {shown} is too old for this backend (needs >= 2.20)"
     try:  # both ask the CUDA driver, and raise rather than answer where no GPU is visible
         ok, reason = te.is_fp8_block_scaling_available(return_reason=True)
         major, minor = torch.cuda.get_device_capability()
@@ -54,6 +62,17 @@ def te_status() -> tuple[bool, str]:
     if major >= 10:
         return True, f"SM{major}{minor}: TransformerEngine emulates this recipe with MXFP8 and needs pow2_scales=True"
     return True, f"TransformerEngine on SM{major}{minor}"
+
+
+def _te_version(te) -> tuple[int, int] | None:
+    """(major, minor) of the installed TE, from `transformer_engine.pytorch` or the `transformer_engine` package."""
+    from packaging.version import InvalidVersion, Version
+
+    text = getattr(te, "__version__", None) or getattr(sys.modules.get("transformer_engine"), "__version__", None)
+    try:
+        return Version(text).release[:2] if text else None
+    except InvalidVersion:
+        return None
 
 
 def te_recipe_status(pow2_scales: bool) -> tuple[bool, str]:
@@ -67,11 +86,13 @@ def te_recipe_status(pow2_scales: bool) -> tuple[bool, str]:
 
 def te_block_recipe(pow2_scales: bool):
     """TE's `Float8BlockScaling` with the recipe's scale rule (fp32 or power-of-2 scales) for X, W and dY."""
-    from transformer_engine.common.recipe import Float8BlockScaling, QParams
+    from transformer_engine.common.recipe import Float8BlockScaling, Format, QParams
 
     if not pow2_scales and torch.cuda.get_device_capability()[0] >= 10:
         raise RuntimeError("on Blackwell, TransformerEngine runs this recipe as MXFP8: set FP8Recipe.pow2_scales=True")
-    recipe = Float8BlockScaling()
+    # `backward_override` defaults to NVTE_BACKWARD_OVERRIDE, read when TE is imported: "high_precision" or
+    # "dequantized" there would run dgrad and wgrad without the FP8 GEMMs. The recipe's backward is FP8.
+    recipe = Float8BlockScaling(fp8_format=Format.E4M3, backward_override=None)
     qparams = QParams(power_2_scale=pow2_scales, amax_epsilon=0.0)
     recipe.fp8_quant_fwd_inp = recipe.fp8_quant_fwd_weight = recipe.fp8_quant_bwd_grad = qparams
     return recipe
@@ -99,6 +120,7 @@ def te_linear_class() -> type:
                 bias=linear.bias is not None,
                 params_dtype=linear.weight.dtype,
                 device=linear.weight.device,
+                init_method=lambda weight: None,  # copied over below: no init work, no draw from the CUDA RNG
             )
             with torch.no_grad():
                 new.weight.copy_(linear.weight)
@@ -107,6 +129,8 @@ def te_linear_class() -> type:
                 else:
                     new.bias = None  # not TE's empty placeholder (TE reads it only with use_bias)
             new.weight.requires_grad_(linear.weight.requires_grad)
+            if new.bias is not None:  # TE's own bias Parameter is trainable; a frozen one stays frozen
+                new.bias.requires_grad_(linear.bias.requires_grad)
             new.te_recipe = te_block_recipe(pow2_scales)
             new.pow2_scales = pow2_scales
             new.fp8_name = f"{name}.weight" if name else "weight"
@@ -130,6 +154,10 @@ def te_linear_class() -> type:
             w = self.weight
             key = (weights_epoch(), w._version, w.data_ptr())
             if self._w_cache is None or self._w_cache[0] != key:
+                # TE's block amax drops NaN (fmaxf) and an inf amax gets scale 1, so TE's scales are always finite:
+                # the weight itself is checked, as FP8Linear's quantizer does.
+                if not bool(torch.isfinite(w).all()):
+                    _raise_nonfinite(w, self.fp8_name)
                 quantizer = Float8BlockQuantizer(
                     DType.kFloat8E4M3,
                     rowwise=True,
@@ -142,8 +170,6 @@ def te_linear_class() -> type:
                 # TE pads the K-block columns of the scales to a multiple of 4 for its GEMMs; checkpoints have none.
                 q = qt._rowwise_data.view(torch.float8_e4m3fn)
                 s = qt._rowwise_scale_inv[:, :k_blocks].contiguous()
-                if not bool(torch.isfinite(s).all()):
-                    raise ValueError(f"cannot quantize {self.fp8_name!r} to FP8: it holds NaN or inf")
                 self._w_cache = (key, q, s)
             return self._w_cache[1], self._w_cache[2]
 
