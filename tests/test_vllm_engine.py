@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import families, launch_two_processes, tiny_grpo_args, tiny_model, tiny_policy
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
@@ -22,7 +23,9 @@ from trl_fp8.demo.task import digit_count_reward
 from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3
 from trl_fp8.generation.vllm_fp8 import (
     VLLM_SPECIFIER,
+    attention_impls,
     check_architecture,
+    check_kv_scale_backend,
     check_reloadable,
     check_vllm_version,
     deep_gemm_e8m0_env,
@@ -248,13 +251,38 @@ class _RecordingLLM:
         self.calls.append(("reset_prefix_cache",))
 
 
-@pytest.mark.parametrize("sleep_mode", [False, True])
-def test_refit_call_sequence(sleep_mode):
+@pytest.mark.parametrize(
+    ("sleep_mode", "asleep"), [(False, False), (True, True), (True, False)], ids=["awake", "asleep", "woken_already"]
+)
+def test_refit_call_sequence(sleep_mode, asleep):
+    """Sleep mode's weights are woken before the reload only while asleep (vLLM 0.22 maps them again otherwise)."""
     pairs = [("a.weight", torch.zeros(2)), ("b.weight", torch.ones(2))]
     llm = _RecordingLLM()
-    refit(llm, pairs, wake_weights=sleep_mode)
+    refit(llm, pairs, wake_weights=sleep_mode and asleep, sleep_mode=sleep_mode)
     reload = ("collective_rpc", reload_in_config, {"weights_iterator": ["a.weight", "b.weight"]})
-    assert llm.calls == [("wake_up", ["weights"])] * sleep_mode + [reload, ("reset_prefix_cache",)]
+    assert llm.calls == [("wake_up", ["weights"])] * (sleep_mode and asleep) + [reload, ("reset_prefix_cache",)]
+
+
+def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
+    """vLLM's FlashInfer backend computes its K/V scale products once, at its first forward (and its host floats
+    freeze in CUDA graphs), so every later refit's KV scales would go unseen. FlashInfer cannot run here: the
+    stand-in is a module tree whose attention layers hold implementations of those class names, as vLLM's
+    `Attention.impl` does; the real check runs on every engine the vLLM tests build (CPU attention passes)."""
+    impls = {name: type(name, (), {}) for name in ("FlashInferImpl", "FlashAttentionImpl")}
+
+    def model(impl: str) -> nn.Module:
+        layers = nn.ModuleList(nn.Module() for _ in range(2))
+        for layer in layers:
+            layer.attn = nn.Module()
+            layer.attn.impl = impls[impl]()
+        return nn.ModuleDict({"layers": layers})
+
+    found = attention_impls(model("FlashInferImpl"))
+    assert found == {"layers.0.attn": "FlashInferImpl", "layers.1.attn": "FlashInferImpl"}
+    with pytest.raises(ValueError, match=r"fp8_kv_cache: vLLM picked FlashInferImpl for \['layers.0.attn', "
+                       r"'layers.1.attn'\].*\{\"attention_backend\": \"FLASH_ATTN\"\}"):  # fmt: skip
+        check_kv_scale_backend(found)
+    check_kv_scale_backend(attention_impls(model("FlashAttentionImpl")))
 
 
 def _vllm_ready() -> bool:

@@ -111,7 +111,14 @@ def serve(checkpoint_dir: str, output_dir: str) -> None:
 
 
 def _storages(engine) -> dict[str, int]:
-    return engine.llm.apply_model(lambda m: {n: p.data_ptr() for n, p in m.named_parameters()})[0]
+    """Where every parameter and buffer (the K/V/Q scales are buffers) lives: CUDA graphs captured at the engine's
+    start read these addresses, so a refit must write into them."""
+
+    def storages(model):
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {name: t.data_ptr() for name, t in tensors}
+
+    return engine.llm.apply_model(storages)[0]
 
 
 def main(output_dir: str, kv_cache: bool, lora: bool) -> None:

@@ -8,7 +8,8 @@ scales (`trl_fp8.quant.export`'s stream), so that the sampler's weight grid is t
   `load_format="dummy"` (the first sync fills the weights), `kv_cache_dtype="fp8"` with an FP8 KV cache, and the
   user's `vllm_llm_kwargs`. `VLLM_USE_DEEP_GEMM_E8M0` follows the recipe's `pow2_scales`: with fp32 scales vLLM
   keeps the learner's bytes; with pow2 scales its DeepGEMM E8M0 path may renormalize a block (codes times 2^k,
-  scale over 2^k), which represents the very same values.
+  scale over 2^k), which represents the very same values, except in a block whose largest magnitude is below 1e-4:
+  DeepGEMM's re-quantization clamps the amax there (`per_block_cast_to_fp8`), and serves it on a coarser grid.
 - `sync_weights`: the checkpoint-format stream (`...weight` e4m3 + `...weight_scale_inv` fp32, BF16 for the rest,
   Q/K/V scales) goes through vLLM's in-place layerwise reload (`model_runner.reload_weights(weights_iterator=...,
   is_checkpoint_format=True)` under the engine's config, as 0.31's `Worker.reload_weights` runs it), which fuses
@@ -241,13 +242,40 @@ def reload_in_config(worker, weights_iterator) -> None:
         worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
 
 
-def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool) -> None:
+def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool, sleep_mode: bool = False) -> None:
     """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache."""
     if wake_weights:
         empty_cache()
         llm.wake_up(tags=["weights"])
     llm.collective_rpc(reload_in_config, kwargs={"weights_iterator": iter(pairs)})
+    if sleep_mode:
+        # The reload materializes a layer at a time (all of a MoE layer's experts) and frees it into the caching
+        # allocator; vLLM 0.22's wake_up of the KV cache, which TRL calls next, does not empty it first.
+        empty_cache()
     llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+
+
+# Attention implementations that do not read the K/V/Q scales from the tensors each refit updates in place: vLLM
+# 0.22-0.31's FlashInfer backend computes its bmm1/bmm2 scales once, at its first forward (flashinfer.py), and its
+# other paths pass the host floats, which captured CUDA graphs freeze. The FP8 KV cache would then decode with the
+# scales of vLLM's dummy weights. (FlashAttention, Triton and the CPU backend read the tensors.)
+STALE_KV_SCALE_IMPLS = ("FlashInferImpl",)
+
+
+def attention_impls(model) -> dict[str, str]:
+    """Runs on each vLLM worker (`LLM.apply_model`): the implementation class of every attention layer, by name."""
+    return {name: type(m.impl).__name__ for name, m in model.named_modules() if hasattr(m, "impl")}
+
+
+def check_kv_scale_backend(impls: dict[str, str]) -> None:
+    """Refuses an FP8 KV cache on an attention implementation that would keep stale K/V/Q scales."""
+    stale = sorted(name for name, impl in impls.items() if impl in STALE_KV_SCALE_IMPLS)
+    if stale:
+        raise ValueError(
+            f"fp8_kv_cache: vLLM picked {impls[stale[0]]} for {stale[:3]}{' ...' if len(stale) > 3 else ''}, which "
+            "reads the K/V scales once (or from CUDA graphs), not from the tensors each sync updates. Choose a backend "
+            'that reads them: vllm_llm_kwargs={"attention_backend": "FLASH_ATTN"} (Hopper) or "TRITON_ATTN".'
+        )
 
 
 class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
@@ -325,6 +353,8 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             super()._init_vllm()
         finally:
             trl_vllm.LLM = make_llm
+        if self.kv_cache:
+            check_kv_scale_backend({k: v for impls in self.llm.apply_model(attention_impls) for k, v in impls.items()})
 
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:
         return self.checkpoint_names(super().state_stream())
@@ -337,7 +367,10 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         pairs = self.state_stream()
         self._stream_meta = validate_stream(pairs, self._stream_meta)
         sent, bf16 = stream_nbytes(pairs)
-        refit(self.llm, pairs, wake_weights=self.enable_sleep_mode)
+        # Woken only if asleep: a second sync without a generation between them (a rollout_func) would map the
+        # weights' memory again, which vLLM 0.22's allocator does not guard against.
+        sleeping = self.enable_sleep_mode and getattr(self, "_llm_weights_sleeping", True)
+        refit(self.llm, pairs, wake_weights=sleeping, sleep_mode=self.enable_sleep_mode)
         self._llm_weights_sleeping = False
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
         if self.kv_cache:
