@@ -247,6 +247,9 @@ def main():
         results["targets_met"] = targets(results)
         (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
         (out / "gpu_bench.md").write_text(markdown(results))
+        # Also drawn per section, so that a run the outer timeout cuts short still leaves its figure.
+        with contextlib.suppress(Exception):
+            plot_targets(results, out / "gpu_targets.png")
     print(markdown(results))
     try:
         print(f"wrote {plot_targets(results, out / 'gpu_targets.png')}")
