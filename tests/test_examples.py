@@ -151,6 +151,13 @@ def test_families_benchmark_quick(tmp_path):
     assert (tmp_path / "families.png").stat().st_size > 10_000 and "| qwen3_5 |" in (
         tmp_path / "families.md"
     ).read_text()
+    # --bf16: TRL's default precision, where bf16 rounding alone separates learner and sampler (fp32 gives 1.00000).
+    cmd = [*cmd[:2], "--bf16", "--steps", "2", "--families", "qwen3", "--output_dir", str(tmp_path / "bf16")]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "bf16=True" in (tmp_path / "bf16" / "families.md").read_text()
+    errors = json.loads((tmp_path / "bf16" / "families.json").read_text())["runs"]["qwen3"]["BF16/BF16"]["errors"]
+    assert min(errors) > 1.0005, errors
 
 
 def test_gpu_bench_smoke(tmp_path):

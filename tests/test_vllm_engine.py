@@ -258,7 +258,7 @@ def test_refit_call_sequence(sleep_mode, asleep):
     """Sleep mode's weights are woken before the reload only while asleep (vLLM 0.22 maps them again otherwise)."""
     pairs = [("a.weight", torch.zeros(2)), ("b.weight", torch.ones(2))]
     llm = _RecordingLLM()
-    refit(llm, pairs, wake_weights=sleep_mode and asleep, sleep_mode=sleep_mode)
+    refit(llm, pairs, sleep_mode=sleep_mode, asleep=asleep)
     reload = ("collective_rpc", reload_in_config, {"weights_iterator": ["a.weight", "b.weight"]})
     assert llm.calls == [("wake_up", ["weights"])] * (sleep_mode and asleep) + [reload, ("reset_prefix_cache",)]
 

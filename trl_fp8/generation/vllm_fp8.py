@@ -242,9 +242,11 @@ def reload_in_config(worker, weights_iterator) -> None:
         worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
 
 
-def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, wake_weights: bool, sleep_mode: bool = False) -> None:
-    """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache."""
-    if wake_weights:
+def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, sleep_mode: bool = False, asleep: bool = False) -> None:
+    """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache. With
+    sleep mode the weights are woken first, only if `asleep`: a second sync without a generation between them (a
+    `rollout_func`) would map their memory again, which vLLM 0.22's allocator does not guard against."""
+    if sleep_mode and asleep:
         empty_cache()
         llm.wake_up(tags=["weights"])
     llm.collective_rpc(reload_in_config, kwargs={"weights_iterator": iter(pairs)})
@@ -367,10 +369,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         pairs = self.state_stream()
         self._stream_meta = validate_stream(pairs, self._stream_meta)
         sent, bf16 = stream_nbytes(pairs)
-        # Woken only if asleep: a second sync without a generation between them (a rollout_func) would map the
-        # weights' memory again, which vLLM 0.22's allocator does not guard against.
-        sleeping = self.enable_sleep_mode and getattr(self, "_llm_weights_sleeping", True)
-        refit(self.llm, pairs, wake_weights=sleeping, sleep_mode=self.enable_sleep_mode)
+        refit(self.llm, pairs, sleep_mode=self.enable_sleep_mode, asleep=self._llm_weights_sleeping)
         self._llm_weights_sleeping = False
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
         if self.kv_cache:
