@@ -26,6 +26,7 @@ from trl_fp8.generation.vllm_fp8 import (
     attention_impls,
     check_architecture,
     check_kv_scale_backend,
+    check_reload_complete,
     check_reloadable,
     check_vllm_version,
     deep_gemm_e8m0_env,
@@ -263,6 +264,20 @@ def test_refit_call_sequence(sleep_mode, asleep):
     assert llm.calls == [("wake_up", ["weights"])] * (sleep_mode and asleep) + [reload, ("reset_prefix_cache",)]
 
 
+def test_a_refit_that_left_engine_parameters_unloaded_is_refused_naming_them():
+    """The workers' reports (`reload_in_config`, run on vLLM's engine in the vLLM tests): the attention layers' K/V/Q
+    scales are owed only with the FP8 KV cache, `prob_scale` never; a worker that reports nothing (None) passes."""
+    attn = "model.layers.0.self_attn.attn."
+    kv_scales = [attn + name for name in ("k_scale", "prob_scale", "q_scale", "v_scale")]
+    check_reload_complete([kv_scales, None], kv_cache=False)
+    check_reload_complete([[attn + "prob_scale"]], kv_cache=True)
+    with pytest.raises(ValueError, match=r"did not load 3 of its parameters .*\['model.layers.0.self_attn.attn.k_sc"):
+        check_reload_complete([kv_scales], kv_cache=True)
+    gate = "model.layers.1.mlp.gate_up_proj.weight"
+    with pytest.raises(ValueError, match=r"did not load 1 of its parameters .*gate_up_proj.weight'\]; it keeps"):
+        check_reload_complete([[gate], [gate, attn + "prob_scale"]], kv_cache=False)
+
+
 def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
     """vLLM's FlashInfer backend computes its K/V scale products once, at its first forward (and its host floats
     freeze in CUDA graphs), so every later refit's KV scales would go unseen. FlashInfer cannot run here: the
@@ -317,6 +332,10 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
         torch.testing.assert_close(torch.tensor(out["kv_scales_served"]), torch.tensor(out["kv_scales_sent"]))
         torch.testing.assert_close(torch.tensor(out["kv_scale_floats_served"]), torch.tensor(out["kv_scales_sent"]))
     assert out["in_place"]
+    # Left out of a refit, a layer's weights are named (vLLM would keep their old values without a word).
+    assert out["refit_error_full_stream"] is None
+    left_out = "['model.layers.1.self_attn.o_proj.weight', 'model.layers.1.self_attn.o_proj.weight_scale_inv']"
+    assert f"did not load 2 of its parameters from the FP8 sync stream: {left_out}" in out["refit_error_left_out"]
     if "memory_growth_bytes" in out:
         assert out["memory_growth_bytes"] < 16 * 2**20
     if kv_cache:

@@ -25,6 +25,7 @@ from peft import LoraConfig
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
+from trl_fp8.generation.vllm_fp8 import check_reload_complete, refit
 from trl_fp8.quant.adapters import unwrap_peft
 from trl_fp8.quant.backends import emulated
 from trl_fp8.quant.blockwise import dequantize_blockwise
@@ -179,6 +180,19 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
     if on_gpu:
         torch.cuda.synchronize()
         result["memory_growth_bytes"] = torch.cuda.memory_allocated() - before
+
+    # The refit's completeness check, on the full stream and on one without a layer's o_proj (as a learner whose
+    # names vLLM's model class does not know would send): vLLM reports it unloaded, and the check names it.
+    left_out = "model.layers.1.self_attn.o_proj."
+    for key, pairs in (
+        ("full_stream", engine.state_stream()),
+        ("left_out", [(n, t) for n, t in engine.state_stream() if not n.startswith(left_out)]),
+    ):
+        try:
+            check_reload_complete(refit(engine.llm, pairs), kv_cache=kv_cache)
+            result[f"refit_error_{key}"] = None
+        except ValueError as err:
+            result[f"refit_error_{key}"] = str(err)
     with open(os.path.join(output_dir, "result.json"), "w") as f:
         json.dump(result, f)
 
