@@ -1,0 +1,120 @@
+"""Tool calling (TRL's `tools=`): TRL runs the tool loop around the sampling engine, which then samples every turn
+after a tool result from a prompt that ends in the tool's answer, one completion per row. The tool's tokens are
+not the policy's: TRL marks them in `tool_mask` and gives them placeholder sampler log-probs of 0, which the
+mismatch metrics must leave out.
+
+The policy is a tiny Llama with a byte-level tokenizer and Qwen3's chat template (TRL's copy, whose tool calls TRL
+parses), taught in a few seconds of supervised steps to answer every assistant turn with one tool call. TRL's own
+tool test replaces `generate` with canned token ids; here the FP8 engine samples them from a real model."""
+
+import os
+import random
+
+import torch
+import trl
+from conftest import tiny_grpo_args, train_and_check
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from trl_fp8 import FP8GRPOTrainer
+
+
+CALL = '{"name": "multiply", "arguments": {"a": 3, "b": 4}}'
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Bytes, Qwen3's chat tokens, and the whole tool call as one token (a 4-token answer a tiny model learns fast)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>", CALL])  # not special, as in Qwen3's
+    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")) as f:
+        tokenizer.chat_template = f.read()
+    return tokenizer
+
+
+PROMPTS = [[{"role": "user", "content": f"What is {i} times {j}?"}] for i in range(4) for j in range(4)]
+
+
+def tool_calling_policy() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """`(model, tokenizer)`: after 60 supervised steps, the policy answers every assistant turn (the first, and the
+    one after the tool's answer) with `<tool_call>CALL</tool_call><|im_end|>`."""
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    answer = tokenizer(f"<tool_call>{CALL}</tool_call><|im_end|>", add_special_tokens=False)["input_ids"]
+    prompts = [
+        tokenizer.apply_chat_template(
+            p, tools=[multiply], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for p in PROMPTS
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(60):
+        rows = [prompts[k % len(prompts)] + answer for k in range(4 * step, 4 * step + 4)]
+        width = max(map(len, rows))
+        input_ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        labels = torch.tensor([[-100] * (len(r) - len(answer)) + answer + [-100] * (width - len(r)) for r in rows])
+        attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert loss.item() < 0.05, loss.item()
+    return model, tokenizer
+
+
+def test_tool_calling_trains_in_fp8_and_the_tools_answer_stays_out_of_the_mismatch(tmp_path):
+    """Every rollout calls the tool, gets its answer (12) and, sampled again by the FP8 engine from a prompt ending in
+    that answer, calls it once more (`max_tool_calling_iterations=1`); training moves every parameter; and the
+    mismatch stays at end-to-end FP8's ~1: the tool's tokens, logged by the sampler as log-prob 0 and far from the
+    learner's, are left out (counted in, they would push the mean error far above 1.01)."""
+    model, tokenizer = tool_calling_policy()
+    seen = []
+    rng = random.Random(0)
+
+    def reward(completions, **kwargs):
+        seen.extend(completions)
+        return [rng.random() for _ in completions]  # distinct within each group, so that every step has a loss
+
+    args = tiny_grpo_args(tmp_path, per_device_train_batch_size=8, max_completion_length=64,
+                          max_tool_calling_iterations=1, learning_rate=1e-3)  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        tools=[multiply],
+    )
+    logs = [log for log in train_and_check(trainer) if "tools/call_frequency" in log]
+    assert [log["tools/call_frequency"] for log in logs] == [1.0, 1.0]
+    assert [log["tools/failure_frequency"] for log in logs] == [0.0, 0.0]
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    for completion in seen:
+        assert [(m["role"], m.get("tool_calls"), m.get("content")) for m in completion] == [
+            ("assistant", [call], ""),
+            ("tool", None, "12"),
+            ("assistant", [call], ""),
+        ]
+    errors = [log["sampling/token_mult_prob_error"] for log in logs]
+    assert max(errors) < 1.01, errors
