@@ -14,6 +14,7 @@ from trl_fp8 import FP8GRPOTrainer
 from trl_fp8.demo.task import accuracy_reward, digit_count_reward, make_dataset
 from trl_fp8.quant import FP8Linear
 from trl_fp8.quant.lora import FP8LoraLinear
+from trl_fp8.trainers.checks import warn_truncated_sampling
 
 
 OPTIONS = {
@@ -88,7 +89,30 @@ def test_truncated_sampling_is_pointed_out_at_start(tmp_path, demo_tokenizer, ca
         trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1, **options)
     warned = [r.getMessage() for r in caplog.records if "sampling is truncated or penalized" in r.getMessage()]
     assert warned == ([] if said is None else [warned[0]]) and (said is None or f"({said})" in warned[0])
+    assert not any("applies to vLLM only" in r.getMessage() for r in caplog.records)
     if said == "top_k=20":  # what the warning says: the sampler's log-probs exceed the learner's
         trainer.train()
         ratio = trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"]
         assert ratio < 0.5, ratio  # 0.25 at seed 0: the top 20 of 128 hold about a quarter of a random policy's mass
+
+
+@pytest.mark.parametrize("use_vllm", [True, False], ids=["vllm", "reference_engine"])
+def test_structured_outputs_are_pointed_out_at_start(tmp_path, caplog, use_vllm):
+    """vLLM masks the logits with the regex's grammar before computing any log-probs (as for top_k, the ratios then
+    run below 1); the reference engine, like TRL's transformers path, samples without the regex. Only the config is
+    needed: vLLM cannot run here."""
+    args = tiny_grpo_args(tmp_path, use_vllm=use_vllm, vllm_structured_outputs_regex=r"\d+")
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_truncated_sampling(args)
+    said = [r.getMessage() for r in caplog.records]
+    if use_vllm:
+        assert len(said) == 1 and "truncated or penalized (vllm_structured_outputs_regex='\\\\d+')" in said[0], said
+    else:
+        assert len(said) == 1 and "vllm_structured_outputs_regex='\\\\d+' applies to vLLM only" in said[0], said
+
+    # The same constraint through TRL's other door, vLLM's own `structured_outputs` sampling parameter.
+    caplog.clear()
+    args = tiny_grpo_args(tmp_path, use_vllm=True, generation_kwargs={"structured_outputs": {"regex": "[0-9]+"}})
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_truncated_sampling(args)
+    assert "truncated or penalized (generation_kwargs['structured_outputs'])" in caplog.records[0].getMessage()

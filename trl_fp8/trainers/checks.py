@@ -92,13 +92,22 @@ def check_backend_runs_here(recipe, device: torch.device) -> None:
 
 def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
     """Warns once when sampling is truncated or penalized (`top_k`, `top_p`, `min_p`, `repetition_penalty`, in the
-    config or `generation_kwargs`) while TRL corrects for the sampler: both engines return the log-probs of the
-    distribution they sampled from (vLLM's `processed_logprobs`, as TRL asks of vLLM), which for the sampled tokens
+    config or `generation_kwargs`, or vLLM's structured outputs) while TRL corrects for the sampler: both engines
+    return the log-probs of the distribution they sampled from (vLLM's `processed_logprobs`, as TRL asks of vLLM;
+    vLLM masks the logits with the regex's grammar before either kind of log-probs), which for the sampled tokens
     mostly exceed the learner's, so the ratios run below 1 and scale the updates down. TRL's own transformers path,
-    which has no separate sampler, never shows this."""
+    which has no separate sampler, never shows this. Also warns that the reference engine, like TRL's transformers
+    path, does not apply `vllm_structured_outputs_regex`."""
+    regex = args.vllm_structured_outputs_regex
+    overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    if regex is not None and not args.use_vllm:
+        logger.warning(
+            "trl-fp8: vllm_structured_outputs_regex=%r applies to vLLM only: the FP8 reference engine (use_vllm=False)"
+            " samples without it, as TRL's transformers path does.",
+            regex,
+        )
     if not args.vllm_importance_sampling_correction:
         return
-    overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
     settings = {
         "top_k": args.top_k,
         "top_p": args.top_p,
@@ -113,6 +122,10 @@ def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
         "repetition_penalty": lambda v: v is not None and v != 1,
     }
     truncations = [f"{k}={v}" for k, v in settings.items() if truncating[k](v)]
+    if args.use_vllm and regex is not None:
+        truncations.append(f"vllm_structured_outputs_regex={regex!r}")
+    elif args.use_vllm and overrides.get("structured_outputs") is not None:
+        truncations.append("generation_kwargs['structured_outputs']")
     if truncations:
         logger.warning(
             "trl-fp8: sampling is truncated or penalized (%s). The sampler returns the log-probs of the distribution "
