@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
 from peft import LoraConfig
+from torch import nn
+from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from trl_fp8 import FP8GRPOTrainer
 from trl_fp8.demo.task import accuracy_reward, digit_count_reward, make_dataset
@@ -71,6 +73,34 @@ def test_trains_in_fp8_under_trl_option(tmp_path, demo_tokenizer, options):
         held = engine.sampler.get_submodule(name)
         assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(held.weight_scale_inv, s), name
+
+
+def test_a_reward_model_scores_in_high_precision_and_is_left_untouched(tmp_path, demo_tokenizer):
+    """A sequence classifier as reward function (TRL prepares it for evaluation): only the policy converts to FP8; the
+    reward model keeps its nn.Linear layers and its weights while the policy trains."""
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, num_labels=1, pad_token_id=demo_tokenizer.pad_token_id,
+    )  # fmt: skip
+    reward_model = LlamaForSequenceClassification(config)
+    before = {n: p.detach().clone() for n, p in reward_model.named_parameters()}
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=reward_model,
+        args=tiny_grpo_args(tmp_path),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+        reward_processing_classes=demo_tokenizer,
+    )
+    logs = train_and_check(trainer)
+    assert any(isinstance(m, FP8Linear) for m in trainer.model.modules())
+    scorer = trainer.reward_funcs[0]
+    assert not any(isinstance(m, FP8Linear) for m in scorer.modules())
+    assert sum(isinstance(m, nn.Linear) for m in scorer.modules()) == 8  # 7 in the layer, and the score head
+    for name, param in scorer.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert all(log["reward"] != 0 for log in logs if "reward" in log)  # the classifier's scores, not a stub's
 
 
 @pytest.mark.parametrize(
