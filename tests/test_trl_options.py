@@ -13,8 +13,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from trl_fp8 import FP8GRPOTrainer
-from trl_fp8.demo.task import accuracy_reward, digit_count_reward, make_dataset
-from trl_fp8.quant import FP8Linear
+from trl_fp8.demo.families import varied_reward
+from trl_fp8.demo.task import DEMO_MODEL_DIR, accuracy_reward, digit_count_reward, make_dataset
+from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.lora import FP8LoraLinear
 from trl_fp8.trainers.checks import warn_truncated_sampling
 
@@ -101,6 +102,34 @@ def test_a_reward_model_scores_in_high_precision_and_is_left_untouched(tmp_path,
     for name, param in scorer.named_parameters():
         assert torch.equal(param, before[name]), name
     assert all(log["reward"] != 0 for log in logs if "reward" in log)  # the classifier's scores, not a stub's
+
+
+def test_sync_ref_model_mixes_into_the_reference_models_fp8_weights(tmp_path):
+    """TRL's `sync_ref_model` mixes the policy into the reference model after optimizer steps, writing through
+    `.data` (no version counter moves): every forward of the reference model must still quantize the weights it
+    holds then. Checked at each of its FP8 layers' forwards, against `quantize_blockwise` of its master weight."""
+    args = tiny_grpo_args(tmp_path, beta=0.04, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                          max_steps=3, learning_rate=1e-3)  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        str(DEMO_MODEL_DIR), reward_funcs=varied_reward, args=args, train_dataset=make_dataset(16)
+    )  # a model id: TRL loads the reference model from it
+    checked = []
+
+    def holds_its_own_weights(module, args):
+        q, s = module.quantized_weight()
+        want_q, want_s = quantize_blockwise(
+            module.weight.detach(), module.weight_block_size, pow2_scales=module.pow2_scales
+        )
+        checked.append(torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s))
+
+    ref_layers = [m for m in trainer.ref_model.modules() if isinstance(m, FP8Linear)]
+    for layer in ref_layers:
+        layer.register_forward_pre_hook(holds_its_own_weights)
+    before = [layer.weight.detach().clone() for layer in ref_layers]
+    logs = train_and_check(trainer)
+    assert len(checked) == 3 * len(ref_layers) and all(checked), checked.count(False)
+    assert all(not torch.equal(layer.weight, w) for layer, w in zip(ref_layers, before, strict=True))  # mixed in
+    assert [log["kl"] for log in logs if "kl" in log][1:] != [0.0, 0.0]
 
 
 @pytest.mark.parametrize(
