@@ -38,6 +38,9 @@ OPTIONS = {
     "pad_to_multiple_of": dict(pad_to_multiple_of=64),
     "gradient_checkpointing": dict(gradient_checkpointing=True, disable_dropout=True),
     "cosine_schedule_sgd": dict(lr_scheduler_type="cosine", optim="sgd"),
+    "entropy_bonus": dict(entropy_coef=0.01),
+    "generation_batch_size": dict(generation_batch_size=8),
+    "no_shuffle": dict(shuffle_dataset=False),
     # FP8 + LoRA under the options that touch it most: recomputation, reused generations, several iterations.
     "lora_gradient_checkpointing": dict(gradient_checkpointing=True, lora=True),
     "lora_steps_per_generation": dict(steps_per_generation=2, max_steps=3, num_iterations=2, lora=True),
