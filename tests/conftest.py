@@ -209,10 +209,11 @@ def families(*names: str) -> list:
     ]
 
 
-def launch_two_processes(script, output_dir, *flags, timeout: int = 600) -> list[dict]:
+def launch_two_processes(script, output_dir, *flags, timeout: int = 600, config_file=None) -> list[dict]:
     """Runs `script OUTPUT_DIR *flags` as two ranks through `accelerate launch` and loads each rank's
     `<output_dir>/rank{r}.pt`. `--multi_gpu` selects accelerate's torchrun launcher; scripts that set `use_cpu=True`
-    make each rank a CPU process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start one process)."""
+    make each rank a CPU process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start one process).
+    With `config_file`, an accelerate config (e.g. DeepSpeed's) sets the distributed type instead."""
     import socket
     import subprocess
     import sys
@@ -221,9 +222,10 @@ def launch_two_processes(script, output_dir, *flags, timeout: int = 600) -> list
     with socket.socket() as free:  # a port of its own: the previous launch's may not be released yet
         free.bind(("127.0.0.1", 0))
         port = str(free.getsockname()[1])
+    launcher = ["--multi_gpu"] if config_file is None else ["--config_file", str(config_file)]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        *launcher, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--main_process_port", port,
         str(script), str(output_dir), *flags,
     ]  # fmt: skip

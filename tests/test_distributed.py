@@ -1,7 +1,9 @@
-"""A real two-process DDP run on CPU (gloo) through `accelerate launch`."""
+"""Real two-process runs on CPU through `accelerate launch`: DDP (gloo), and DeepSpeed ZeRO-2 as the recipes run."""
 
+import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import launch_two_processes, tiny_policy
 
@@ -39,6 +41,44 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     initial = tiny_policy(build_tokenizer())
     moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach(), ranks[0]["params"][n])]
     assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
+
+
+ZERO2_CPU = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 2
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install deepspeed)")
+def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path):
+    """The recipes' layout (examples/accelerate_configs/zero2_8gpu.yaml) on two CPU processes: ZeRO-2 shards the
+    optimizer states and writes the updated weights back into whole parameters without moving their version
+    counters; every FP8 layer still quantizes the weights it holds, the ranks end identical, and each sampler holds
+    its learner's FP8 weights bit for bit."""
+    config = tmp_path / "zero2_cpu.yaml"
+    config.write_text(ZERO2_CPU)
+    ranks = launch_two_processes(SCRIPT, tmp_path, config_file=config)
+    assert [rank["zero_stage"] for rank in ranks] == [2, 2] and ranks[0]["world_size"] == 2
+    for rank in ranks:
+        assert len(rank["fresh_fp8_weights"]) == 14 and all(rank["fresh_fp8_weights"]), rank["fresh_fp8_weights"]
+    for name, p0 in ranks[0]["params"].items():
+        assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
+    initial = tiny_policy(build_tokenizer())
+    moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach(), ranks[0]["params"][n])]
+    assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
+    for rank in ranks:
+        for name, t in rank["learner_fp8"].items():
+            assert torch.equal(rank["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name
+    errors = [log["sampling/token_mult_prob_error"] for log in ranks[0]["log_history"] if "loss" in log]
+    assert len(errors) == 2 and max(errors) < 1.1, errors  # the FP8 KV cache is on: its rounding, not the weights
 
 
 def test_two_process_ddp_trains_fp8_lora_with_identical_adapters_and_samplers(tmp_path):

@@ -1,6 +1,7 @@
-"""Run by tests/test_distributed.py under `accelerate launch --num_processes 2 --cpu`: two FP8 GRPO steps with DDP
-(gloo) and the FP8 KV cache, then each rank writes its final parameters and its sampler's Q/K/V scales to
-`<output_dir>/rank{r}.pt`. With `--lora`, FP8 + LoRA: also the sampler's FP8 weights and the learner's."""
+"""Run by tests/test_distributed.py under `accelerate launch --num_processes 2`: two FP8 GRPO steps with DDP (gloo),
+or with DeepSpeed ZeRO-2 when the accelerate config says so, and the FP8 KV cache; then each rank writes its final
+parameters, its sampler's Q/K/V scales and FP8 weights and the learner's to `<output_dir>/rank{r}.pt`. With `--lora`,
+FP8 + LoRA."""
 
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from trl_fp8 import FP8GRPOTrainer, iter_fp8_state  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
+from trl_fp8.quant import FP8Linear, quantize_blockwise  # noqa: E402
+from trl_fp8.quant.adapters import unwrap_peft  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 
 
@@ -40,6 +43,15 @@ def main(output_dir: str, lora: bool):
     }
     # One more calibration on this rank's latest batch: what this rank measures alone, and what all ranks agree on.
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    # Each FP8 layer's cached weight is the quantization of the master weight it holds after the last optimizer step
+    # (DeepSpeed writes the updated weights into the parameters without moving their version counters).
+    fresh = [
+        torch.equal(
+            m.quantized_weight()[0].view(torch.uint8), quantize_blockwise(m.weight.detach())[0].view(torch.uint8)
+        )
+        for m in unwrap_peft(policy).modules()
+        if isinstance(m, FP8Linear)
+    ]
     local = calibrate_kv_scales(policy.get_decoder(), *engine.calibration_batch)
     engine.calibrate_kv_scales()
     kv_agreed = engine._kv_scale_invs.clone()
@@ -51,6 +63,10 @@ def main(output_dir: str, lora: bool):
             "kv_local": local,
             "kv_agreed": kv_agreed,
             "world_size": state.num_processes,
+            "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+            if trainer.is_deepspeed_enabled
+            else None,
+            "fresh_fp8_weights": fresh,
             "log_history": trainer.state.log_history,
             "sampler_fp8": {n: t.clone() for n, t in engine.sampler.state_dict().items() if "_proj." in n},
             "learner_fp8": {n: t.clone() for n, t in iter_fp8_state(engine.learner()) if "_proj." in n},
