@@ -43,18 +43,7 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
 
 
-ZERO2_CPU = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: DEEPSPEED
-deepspeed_config:
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: false
-  zero_stage: 2
-num_machines: 1
-num_processes: 2
-use_cpu: true
-"""
+ZERO2_CPU = Path(__file__).parents[1] / "examples" / "accelerate_configs" / "zero2_cpu.yaml"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install deepspeed)")
@@ -63,9 +52,7 @@ def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path):
     optimizer states and writes the updated weights back into whole parameters without moving their version
     counters; every FP8 layer still quantizes the weights it holds, the ranks end identical, and each sampler holds
     its learner's FP8 weights bit for bit."""
-    config = tmp_path / "zero2_cpu.yaml"
-    config.write_text(ZERO2_CPU)
-    ranks = launch_two_processes(SCRIPT, tmp_path, config_file=config)
+    ranks = launch_two_processes(SCRIPT, tmp_path, config_file=ZERO2_CPU)
     assert [rank["zero_stage"] for rank in ranks] == [2, 2] and ranks[0]["world_size"] == 2
     for rank in ranks:
         assert len(rank["fresh_fp8_weights"]) == 14 and all(rank["fresh_fp8_weights"]), rank["fresh_fp8_weights"]
