@@ -47,21 +47,26 @@ ZERO2_CPU = Path(__file__).parents[1] / "examples" / "accelerate_configs" / "zer
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install deepspeed)")
-def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path, lora):
     """The recipes' layout (examples/accelerate_configs/zero2_8gpu.yaml) on two CPU processes: ZeRO-2 shards the
     optimizer states and writes the updated weights back into whole parameters without moving their version
     counters; every FP8 layer still quantizes the weights it holds, the ranks end identical, and each sampler holds
-    its learner's FP8 weights bit for bit."""
-    ranks = launch_two_processes(SCRIPT, tmp_path, config_file=ZERO2_CPU)
+    its learner's FP8 weights (with LoRA, the merged ones) bit for bit."""
+    ranks = launch_two_processes(SCRIPT, tmp_path, *["--lora"] * lora, config_file=ZERO2_CPU)
     assert [rank["zero_stage"] for rank in ranks] == [2, 2] and ranks[0]["world_size"] == 2
     for rank in ranks:
         assert len(rank["fresh_fp8_weights"]) == 14 and all(rank["fresh_fp8_weights"]), rank["fresh_fp8_weights"]
     for name, p0 in ranks[0]["params"].items():
         assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
-    initial = tiny_policy(build_tokenizer())
-    moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach(), ranks[0]["params"][n])]
-    assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
+    if lora:
+        assert sum("lora_" in n for n in ranks[0]["params"]) == 28  # A and B of 14 layers
+    else:
+        initial = tiny_policy(build_tokenizer())
+        moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach(), ranks[0]["params"][n])]
+        assert len(moved) == len(ranks[0]["params"]), "some parameters did not train"
     for rank in ranks:
+        assert rank["learner_fp8"] and any(n.endswith("weight_scale_inv") for n in rank["learner_fp8"])
         for name, t in rank["learner_fp8"].items():
             assert torch.equal(rank["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name
     errors = [log["sampling/token_mult_prob_error"] for log in ranks[0]["log_history"] if "loss" in log]
