@@ -132,6 +132,18 @@ def train_and_check(trainer):
     return trainer.state.log_history
 
 
+def holds_its_own_fp8_weight(module) -> bool:
+    """Whether an `FP8Linear`'s cached FP8 weight (codes and scales) is the quantization of the master weight it holds
+    now, under its own block size and scale rule."""
+    from trl_fp8.quant import quantize_blockwise
+
+    q, s = module.quantized_weight()
+    want_q, want_s = quantize_blockwise(
+        module.weight.detach(), module.weight_block_size, pow2_scales=module.pow2_scales
+    )
+    return torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

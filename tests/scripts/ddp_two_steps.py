@@ -12,13 +12,13 @@ from peft import LoraConfig
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import tiny_grpo_args, tiny_policy  # noqa: E402
+from conftest import holds_its_own_fp8_weight, tiny_grpo_args, tiny_policy  # noqa: E402
 
 from trl_fp8 import FP8GRPOTrainer, iter_fp8_state  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
-from trl_fp8.quant import FP8Linear, quantize_blockwise  # noqa: E402
+from trl_fp8.quant import FP8Linear  # noqa: E402
 from trl_fp8.quant.adapters import unwrap_peft  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 
@@ -45,13 +45,7 @@ def main(output_dir: str, lora: bool):
     policy = trainer.accelerator.unwrap_model(trainer.model)
     # Each FP8 layer's cached weight is the quantization of the master weight it holds after the last optimizer step
     # (DeepSpeed writes the updated weights into the parameters without moving their version counters).
-    fresh = [
-        torch.equal(
-            m.quantized_weight()[0].view(torch.uint8), quantize_blockwise(m.weight.detach())[0].view(torch.uint8)
-        )
-        for m in unwrap_peft(policy).modules()
-        if isinstance(m, FP8Linear)
-    ]
+    fresh = [holds_its_own_fp8_weight(m) for m in unwrap_peft(policy).modules() if isinstance(m, FP8Linear)]
     local = calibrate_kv_scales(policy.get_decoder(), *engine.calibration_batch)
     engine.calibrate_kv_scales()
     kv_agreed = engine._kv_scale_invs.clone()

@@ -3,7 +3,7 @@
 beta > 0) with colocated vLLM in block FP8; the checks' raw material in `<output_dir>/result.json`. On vLLM's CPU build
 the block-FP8 kernels are stood in for as in tests/scripts/vllm_two_steps.py.
 
-    python tests/scripts/vllm_family.py FAMILY OUTPUT_DIR
+    python tests/scripts/vllm_family.py FAMILY OUTPUT_DIR      # FAMILY:tied ties its lm_head to its embeddings
 """
 
 import importlib
@@ -73,8 +73,9 @@ def main(family: str, output_dir: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if family.startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
             _stub_torchvision()
+    family, _, tied = family.partition(":")
     model_dir = os.path.join(output_dir, family)
-    tiny(family).save_pretrained(model_dir)
+    tiny(family, **({"tie_word_embeddings": True} if tied else {})).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).save_pretrained(model_dir)
     args = FP8GRPOConfig(
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,

@@ -25,7 +25,7 @@ from peft import LoraConfig
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
-from trl_fp8.generation.vllm_fp8 import check_reload_complete, refit
+from trl_fp8.generation.vllm_refit import check_reload_complete, refit
 from trl_fp8.quant.adapters import unwrap_peft
 from trl_fp8.quant.backends import emulated
 from trl_fp8.quant.blockwise import dequantize_blockwise

@@ -27,7 +27,7 @@ import time
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from trl.generation.vllm_generation import VLLMGeneration, empty_cache
+from trl.generation.vllm_generation import VLLMGeneration
 
 from ..quant.checkpoint_names import checkpoint_module_names
 from ..quant.export import stream_checkpoint_names, stream_nbytes
@@ -35,6 +35,7 @@ from ..quant.kv_cache import check_kv_cache_supported
 from .reference import refuse_reserved
 from .stream import LearnerStream, refuse_nonfinite
 from .vllm_layout import check_vllm_fp8_layers
+from .vllm_refit import check_reload_complete, refit
 
 
 logger = logging.getLogger(__name__)
@@ -230,84 +231,6 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
                 raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; {weight} {n}x{k} needs fp32 128x128 blocks")
     refuse_nonfinite(pairs)
     return meta
-
-
-def reload_in_config(worker, weights_iterator) -> list[str] | None:
-    """Runs on each vLLM worker (`LLM.collective_rpc` passes it): 0.31's `Worker.reload_weights` exactly (0.22's
-    lacks the config context, which MoE kernels built while reprocessing the weights read: `get_current_vllm_config`).
-
-    Returns the engine's checkpoint-format parameters the stream did not load (None where its model's `load_weights`
-    does not report what it loaded): vLLM's layerwise reload keeps such a parameter's old values with no more than a
-    log line, and checks completeness itself only for unquantized models. The parameters are listed as the reload
-    lays them out, before its kernels' processing renames or repacks them. A parameter vLLM fuses from several
-    tensors (q/k/v into `qkv_proj`) counts as loaded once any of them arrives: tests/test_checkpoint_names.py holds
-    the stream complete."""
-    from vllm.config import set_current_vllm_config
-
-    model = worker.model_runner.get_model()
-    load_weights, expected, reported = model.load_weights, set(), []
-
-    def recording_load_weights(weights):
-        expected.update(name.replace(".base_layer.", ".") for name, _ in model.named_parameters())
-        reported.append(load_weights(weights))
-        return reported[-1]
-
-    model.load_weights = recording_load_weights  # an instance attribute: the class's method is left alone
-    try:
-        with set_current_vllm_config(worker.vllm_config):
-            worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
-    finally:
-        del model.load_weights
-    if not reported or reported[0] is None:
-        return None
-    loaded = set(reported[0])
-
-    def one_module_up(name: str) -> str:
-        # vLLM 0.31's MoE layers report their experts' parameters under the layer's own name: `experts.w13_weight`
-        # for `experts.routed_experts.w13_weight` (`MoERunner.load_weights` passes on `RoutedExperts`' names).
-        module, _, leaf = name.rpartition(".")
-        return f"{module.rpartition('.')[0]}.{leaf}"
-
-    return sorted(name for name in expected if name not in loaded and one_module_up(name) not in loaded)
-
-
-# The attention layers' KV-cache scales, which the stream carries only with the FP8 KV cache (`prob_scale` never):
-# vLLM's `BaseKVCacheMethod` keeps 1.0 for those it does not receive, as a BF16 KV cache needs.
-KV_SCALE_PARAMS = (".k_scale", ".v_scale", ".q_scale")
-
-
-def check_reload_complete(unloaded: list[list[str] | None], *, kv_cache: bool) -> None:
-    """Refuses a refit that left engine parameters unloaded (`reload_in_config`'s per-worker reports): vLLM keeps
-    their previous values, its placeholders at the first sync, while the learner trains its own."""
-    optional = (".prob_scale",) + (() if kv_cache else KV_SCALE_PARAMS)
-    missing = sorted({n for names in unloaded for n in names or () if not n.endswith(optional)})
-    if missing:
-        raise ValueError(
-            f"vLLM did not load {len(missing)} of its parameters from the FP8 sync stream: {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}; it keeps their previous values (its placeholders at the first "
-            "sync). Its model class for this architecture names its weights otherwise than the learner's checkpoint "
-            "does: use fp8_generation=False (TRL's BF16 vLLM engine) or use_vllm=False (trl-fp8's FP8 reference "
-            "engine) for this model."
-        )
-
-
-def refit(
-    llm, pairs: list[tuple[str, torch.Tensor]], *, sleep_mode: bool = False, asleep: bool = False
-) -> list[list[str] | None]:
-    """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache. With
-    sleep mode the weights are woken first, only if `asleep`: a second sync without a generation between them (a
-    `rollout_func`) would map their memory again, which vLLM 0.22's allocator does not guard against. Returns each
-    worker's unloaded parameters (`reload_in_config`)."""
-    if sleep_mode and asleep:
-        empty_cache()
-        llm.wake_up(tags=["weights"])
-    unloaded = llm.collective_rpc(reload_in_config, kwargs={"weights_iterator": iter(pairs)})
-    if sleep_mode:
-        # The reload materializes a layer at a time (all of a MoE layer's experts) and frees it into the caching
-        # allocator; vLLM 0.22's wake_up of the KV cache, which TRL calls next, does not empty it first.
-        empty_cache()
-    llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
-    return unloaded
 
 
 # Attention implementations that do not read the K/V/Q scales from the tensors each refit updates in place: vLLM
