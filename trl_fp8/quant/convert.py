@@ -17,7 +17,7 @@ import warnings
 
 from torch import nn
 
-from .linear import FP8Linear
+from .linear import FP8Linear, full_shape
 from .te_linear import is_te_linear, te_linear_class, te_recipe_status, te_status
 
 
@@ -139,7 +139,7 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
         if why is not None:
             kept.append(f"{name} ({why})")
             continue
-        _, two_i, hidden = module.gate_up_proj.shape
+        _, two_i, hidden = full_shape(module.gate_up_proj)
         if (two_i // 2) % 128 or hidden % 128 or list(recipe.weight_block_size) != [128, 128]:
             kept.append(f"{name} (experts {two_i // 2}x{hidden}, not in whole 128x128 blocks)")
             continue

@@ -13,10 +13,11 @@ grid bit for bit. A high-precision learner with an FP8 sampler ("FP8 generation 
 the recipe selects are then quantized here, with the recipe's rule.
 """
 
+import contextlib
 import copy
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -31,10 +32,17 @@ from .moe import FP8Experts, is_fused_experts, iter_expert_pairs
 from .te_linear import is_te_linear
 
 
-def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.Tensor]]:
+Gather = Callable[[list[nn.Parameter]], contextlib.AbstractContextManager]
+
+
+def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields the stream of `model` (unwrapped: no DDP `module.` prefix). Tied parameters appear once. `recipe`
     (an `FP8Recipe`, a dict of its fields or a recipe path, as `convert_to_fp8` takes) also quantizes the linears it
-    selects that are still high precision; without it only converted modules are sent in FP8."""
+    selects that are still high precision; without it only converted modules are sent in FP8.
+
+    `gather` materializes sharded parameters (DeepSpeed ZeRO-3's `GatheredParameters`, given a list of them): each
+    module's parameters are gathered while it is read, one module at a time, and what is yielded is copied out of
+    the gathered storage, which returns to its shards right after."""
     to_quantize: set[str] = set()
     experts_to_quantize: set[str] = set()
     if recipe is not None:
@@ -47,47 +55,66 @@ def iter_fp8_state(model: nn.Module, recipe=None) -> Iterator[tuple[str, torch.T
     adapted = lora_layers(model)
     inside_adapted = tuple(f"{name}." for name in adapted)  # base layers and adapters: one merged weight each
     for mod_name, module in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
         if mod_name.startswith(inside_adapted):
             continue
-        if mod_name in adapted:
-            yield from _adapted_pairs(prefix, module, mod_name in to_quantize, recipe)
+        fused_experts = isinstance(module, FP8Experts) or mod_name in experts_to_quantize
+        if not (
+            mod_name in adapted
+            or fused_experts
+            or isinstance(module, FP8Linear)
+            or is_te_linear(module)
+            or mod_name in to_quantize
+        ):
             continue
-        if isinstance(module, FP8Experts) or mod_name in experts_to_quantize:
-            fused = {}
-            for which in ("gate_up_proj", "down_proj"):
-                if isinstance(module, FP8Experts):
-                    fused[which] = module.quantized(which)
-                else:
-                    w = getattr(module, which).detach()
-                    fused[which] = quantize_blockwise(
-                        w, (128, 128), pow2_scales=recipe.pow2_scales, name=prefix + which
-                    )
-                done.add(prefix + which)
-            yield from iter_expert_pairs(prefix, fused["gate_up_proj"], fused["down_proj"])
-            continue
-        if isinstance(module, FP8Linear) or is_te_linear(module):
-            q, s = module.quantized_weight()
-        elif mod_name in to_quantize:
-            q, s = quantize_blockwise(
-                module.weight.detach(),
-                tuple(recipe.weight_block_size),
-                pow2_scales=recipe.pow2_scales,
-                name=f"{prefix}weight",
-            )
-        else:
-            continue
-        yield f"{prefix}weight", q
-        yield f"{prefix}weight_scale_inv", s
-        done.add(f"{prefix}weight")
-        if module.bias is not None:
-            # Right after its weight: vLLM's layerwise reload processes a layer once all its tensors have arrived.
-            yield f"{prefix}bias", module.bias.detach()
-            done.add(f"{prefix}bias")
+        with _gathering(gather, _read_together(module)):
+            pairs = _copied(_module_pairs(mod_name, module, adapted, to_quantize, fused_experts, recipe), gather)
+        yield from pairs
+        done.update(n for n, _ in pairs)
+        if fused_experts:
+            done.update(f"{mod_name}.{which}" for which in ("gate_up_proj", "down_proj"))
     for name, param in model.named_parameters():
         if name not in done and not name.startswith(inside_adapted):
-            yield name, param.detach()
+            with _gathering(gather, [param]):
+                pairs = _copied([(name, param.detach())], gather)
+            yield from pairs
     yield from _persistent_buffers(model)
+
+
+def _module_pairs(
+    mod_name: str, module: nn.Module, adapted: dict, to_quantize: set, fused_experts: bool, recipe
+) -> list[tuple[str, torch.Tensor]]:
+    """What one module that runs (or is sent) in FP8 sends: its FP8 pairs, then its bias."""
+    prefix = f"{mod_name}." if mod_name else ""
+    if mod_name in adapted:
+        return list(_adapted_pairs(prefix, module, mod_name in to_quantize, recipe))
+    if fused_experts:
+        return _expert_pairs(prefix, module, recipe)
+    if isinstance(module, FP8Linear) or is_te_linear(module):
+        q, s = module.quantized_weight()
+    else:
+        q, s = quantize_blockwise(
+            module.weight.detach(),
+            tuple(recipe.weight_block_size),
+            pow2_scales=recipe.pow2_scales,
+            name=f"{prefix}weight",
+        )
+    pairs = [(f"{prefix}weight", q), (f"{prefix}weight_scale_inv", s)]
+    if module.bias is not None:
+        # Right after its weight: vLLM's layerwise reload processes a layer once all its tensors have arrived.
+        pairs.append((f"{prefix}bias", module.bias.detach()))
+    return pairs
+
+
+def _expert_pairs(prefix: str, module: nn.Module, recipe) -> list[tuple[str, torch.Tensor]]:
+    """Fused MoE experts as the checkpoint's per-expert FP8 linears."""
+    fused = {}
+    for which in ("gate_up_proj", "down_proj"):
+        if isinstance(module, FP8Experts):
+            fused[which] = module.quantized(which)
+        else:
+            w = getattr(module, which).detach()
+            fused[which] = quantize_blockwise(w, (128, 128), pow2_scales=recipe.pow2_scales, name=prefix + which)
+    return list(iter_expert_pairs(prefix, fused["gate_up_proj"], fused["down_proj"]))
 
 
 def _adapted_pairs(prefix: str, layer, quantize: bool, recipe) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,19 +152,41 @@ def stream_nbytes(pairs: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
     return sent, bf16
 
 
-def iter_hp_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hp_state(model: nn.Module, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The high-precision stream: every parameter and checkpoint buffer as the learner holds it (a LoRA layer's
-    weight merged, under the plain linear's names)."""
+    weight merged, under the plain linear's names). `gather` as in `iter_fp8_state`."""
     adapted = lora_layers(model)
     inside_adapted = tuple(f"{name}." for name in adapted)
     for name, layer in adapted.items():
-        yield f"{name}.weight", effective_weight(layer)
-        if layer.get_base_layer().bias is not None:
-            yield f"{name}.bias", layer.get_base_layer().bias.detach()
+        with _gathering(gather, layer.parameters()):
+            pairs = [(f"{name}.weight", effective_weight(layer))]
+            if layer.get_base_layer().bias is not None:
+                pairs.append((f"{name}.bias", layer.get_base_layer().bias.detach()))
+            pairs = _copied(pairs, gather)
+        yield from pairs
     for name, param in model.named_parameters():
         if not name.startswith(inside_adapted):
-            yield name, param.detach()
+            with _gathering(gather, [param]):
+                pairs = _copied([(name, param.detach())], gather)
+            yield from pairs
     yield from _persistent_buffers(model)
+
+
+def _read_together(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters reading `module`'s FP8 weight reads: its own, or, for a sibling linear, its group's (quantized
+    stacked)."""
+    group = module._group() if isinstance(module, FP8Linear) else None
+    members = [module] if group is None else group.members
+    return [p for m in members for p in m.parameters()]
+
+
+def _gathering(gather: Gather | None, params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if gather is None else gather(list(params))
+
+
+def _copied(pairs: list[tuple[str, torch.Tensor]], gather: Gather | None) -> list[tuple[str, torch.Tensor]]:
+    # Gathered storage returns to its shards when the gather ends: what leaves it must be a copy.
+    return pairs if gather is None else [(n, t.clone()) for n, t in pairs]
 
 
 @torch.no_grad()
@@ -204,29 +253,29 @@ def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
 
 
 def stream_checkpoint_names(
-    model: nn.Module, recipe, attention_names: Sequence[str] = (), prefixes: bool = True
+    model: nn.Module, recipe, attention_names: Sequence[str] = (), prefixes: bool = True, gather: Gather | None = None
 ) -> CheckpointNames:
     """The checkpoint names `model`'s stream (with Q/K/V scales for `attention_names`) travels and is saved under,
     found before anything is sent or written: what cannot have one is refused here. `prefixes` as in
-    `CheckpointNames`."""
+    `CheckpointNames`; `gather` as in `iter_fp8_state`."""
     converted = getattr(model, "fp8_recipe", None) is not None
-    stream = [(n, t.shape, t.dtype) for n, t in iter_fp8_state(model, None if converted else recipe)]
+    stream = [(n, t.shape, t.dtype) for n, t in iter_fp8_state(model, None if converted else recipe, gather)]
     scalar = (torch.Size(), torch.float32)
     stream += [(f"{attention}.{x}_scale", *scalar) for attention in attention_names for x in "kvq"]
     return CheckpointNames(model, stream, prefixes)
 
 
-def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe) -> list[str]:
+def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe, gather: Gather | None = None) -> list[str]:
     """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
     under the names `save_pretrained` gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints
     store them) plus `config.json` with the recipe's `quantization_config` (what stays in high precision listed in
     `modules_to_not_convert`, in transformers' module names, and, where the checkpoint's differ, in
-    `ignored_layers` for vLLM). Returns the checkpoint names of the FP8 weights."""
+    `ignored_layers` for vLLM). `gather` as in `iter_fp8_state`. Returns the checkpoint names of the FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
     if converted and model.fp8_recipe != recipe:
         # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
         raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
-    pairs = list(iter_fp8_state(model, None if converted else recipe))
+    pairs = list(iter_fp8_state(model, None if converted else recipe, gather))
     tensors = dict(CheckpointNames(model, [(n, t.shape, t.dtype) for n, t in pairs])(pairs))
     fp8_modules = {n.rsplit(".", 1)[0] for n, t in pairs if t.dtype == torch.float8_e4m3fn}
     fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}

@@ -52,6 +52,18 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether `p` is a DeepSpeed ZeRO-3 parameter (`ds_id`), whole only while gathered: while its module runs,
+    or inside `deepspeed.zero.GatheredParameters`. FP8 modules do not cache its quantization, which would keep a
+    whole FP8 copy of every layer, what sharding avoids (quantizing anew gives the same bits)."""
+    return hasattr(p, "ds_id")
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """`p`'s shape, whole: a sharded DeepSpeed ZeRO-3 parameter holds an empty tensor outside a gather."""
+    return p.ds_shape if is_sharded(p) else p.shape
+
+
 def version_of(x: torch.Tensor) -> int | None:
     """`x`'s version counter, or None for a tensor made under `torch.inference_mode()`, which keeps none."""
     return None if x.is_inference() else x._version
@@ -111,7 +123,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv)
+        # Without Wᵀ (a DeepSpeed ZeRO-3 weight) W itself is saved: DeepSpeed gathers it again for this module's
+        # backward, where it is quantized anew (the same bits), so no whole FP8 copy of every layer's weight waits
+        # from forward to backward.
+        ctx.requantize = w_fp8_t is None
+        ctx.save_for_backward(weight if ctx.requantize else w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv)
         ctx.backend, ctx.pow2_scales, ctx.w_block = backend, pow2_scales, w_block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -119,13 +135,16 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors
+        w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors  # with `requantize`: W, None, ...
         backend, pow2 = ctx.backend, ctx.pow2_scales
         dy2d = dy.reshape(-1, dy.shape[-1])
         m = dy2d.shape[0]
         dx = dw = db = None
         dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = backend.quantize_act(dy2d, pow2, ctx.needs_input_grad[1])
         if ctx.needs_input_grad[0]:
+            if ctx.requantize:  # W, gathered again
+                q, s, _ = backend.quantize_weight(w_fp8_t.detach(), ctx.w_block, pow2, "", check_finite=False)
+                w_fp8_t, w_scale_inv_t = (q.t().contiguous(), s.t().contiguous()) if q.is_cuda else (q.t(), s.t())
             # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
             w_block_t = (ctx.w_block[1], ctx.w_block[0])
             dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv_t, w_block_t, ctx.x_dtype)
@@ -213,7 +232,8 @@ class FP8Linear(nn.Linear):
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(weight_fp8 (N, K), weight_scale_inv (ceil(N / block_rows), ceil(K / block_cols)))`, cached until the
         weight changes: an optimizer step, an in-place write (version counter), a new tensor or
-        `mark_weights_changed()` (writes through `.data` bypass the version counter). The cache itself is returned:
+        `mark_weights_changed()` (writes through `.data` bypass the version counter); never for a DeepSpeed ZeRO-3
+        weight (`is_sharded`). The cache itself is returned:
         read it, never write it. Raises a `ValueError` naming the parameter if the weight holds NaN or inf."""
         q, s, _, _ = self._quantized(check_finite=True)
         return q, s
@@ -230,19 +250,23 @@ class FP8Linear(nn.Linear):
         if (group := self._group()) is not None:
             return group.member_weight(self._sibling_index, check_finite)
         w = self.weight
+        sharded = is_sharded(w)
         key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
-        if self._w_cache is None or self._w_cache[0] != key:
+        entry = self._w_cache
+        if sharded or entry is None or entry[0] != key:
             backend = self._backend_for(w.device)
             q, s, amax = backend.quantize_weight(
                 w, self.weight_block_size, self.pow2_scales, self.fp8_name, check_finite=check_finite
             )
-            contiguous = w.is_cuda and w.requires_grad
+            contiguous = w.is_cuda and w.requires_grad and not sharded  # (a sharded weight's backward makes its own)
             qt, st = (q.t().contiguous(), s.t().contiguous()) if contiguous else (q.t(), s.t())
-            self._w_cache = (key, q, s, qt, st, amax)
-        if check_finite and self._w_cache[5] is not None:
-            check_amax(self._w_cache[5], w, self.fp8_name)
-            self._w_cache = (*self._w_cache[:5], None)
-        return self._w_cache[1:5]
+            entry = (key, q, s, qt, st, amax)
+        if check_finite and entry[5] is not None:
+            check_amax(entry[5], w, self.fp8_name)
+            entry = (*entry[:5], None)
+        if not sharded:
+            self._w_cache = entry
+        return entry[1:5]
 
     def _group(self):
         """The sibling group this very module belongs to: a `DataParallel` replica (a shallow copy) has its
@@ -265,6 +289,8 @@ class FP8Linear(nn.Linear):
         if (group := self._group()) is not None:
             return group.forward(self, x)
         w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = self._quantized(check_finite=False)
+        if is_sharded(self.weight):
+            w_fp8_t = w_scale_inv_t = None
         return _FP8LinearFunction.apply(
             autocast_input(x),
             self.weight,

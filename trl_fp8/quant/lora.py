@@ -22,7 +22,7 @@ from torch import nn
 
 from .adapters import lora_layers, merged_weight, tied_weights
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, autocast_input, mark_weights_changed, weights_epoch
+from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, mark_weights_changed, weights_epoch
 
 
 class _FP8LoraFunction(torch.autograd.Function):
@@ -112,21 +112,23 @@ class FP8LoraLinear(LoraLinear):
         """`(Q, scale_inv, Qᵀ, scale_invᵀ)` of the merged weight, made once per optimizer step, with `FP8Linear`'s
         deferred NaN/inf check."""
         base, adapters = self.get_base_layer(), self._adapters()
-        key = self._fp8_key(adapters)
-        if self._fp8_cache is None or self._fp8_cache[0] != key:
+        key, sharded = self._fp8_key(adapters), is_sharded(base.weight)
+        entry = self._fp8_cache
+        if sharded or entry is None or entry[0] != key:
             w = merged_weight(self, adapters)
             backend = base._backend_for(w.device)
             q, s, amax = backend.quantize_weight(
                 w, base.weight_block_size, base.pow2_scales, f"{base.fp8_name} + LoRA", check_finite=False
             )
             transposed = (q.t().contiguous(), s.t().contiguous()) if w.is_cuda else (q.t(), s.t())
-            self._fp8_cache = (key, q, s, *transposed, amax)
-        amax = self._fp8_cache[5]
-        if check_finite and amax is not None:
-            if not bool(torch.isfinite(amax).all()):  # one host sync per export, none per forward
+            entry = (key, q, s, *transposed, amax)
+        if check_finite and entry[5] is not None:
+            if not bool(torch.isfinite(entry[5]).all()):  # one host sync per export, none per forward
                 _raise_nonfinite(merged_weight(self, adapters), f"{base.fp8_name} + LoRA")
-            self._fp8_cache = (*self._fp8_cache[:5], None)
-        return self._fp8_cache[1:5]
+            entry = (*entry[:5], None)
+        if not sharded:  # as FP8Linear's: no cache of a ZeRO-3 weight
+            self._fp8_cache = entry
+        return entry[1:5]
 
     @torch.no_grad()
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,14 +24,14 @@ from torch import nn
 
 from .backends import resolve_backend
 from .backends._quantize import check_amax, triton_status
-from .linear import _FP8LinearFunction, autocast_input, weights_epoch
+from .linear import _FP8LinearFunction, autocast_input, full_shape, is_sharded, weights_epoch
 from .moe_grouped import grouped_experts_forward
 from .w8a8 import W8A8Linear
 
 
 def is_fused_experts(module: nn.Module) -> bool:
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and len(full_shape(gate_up)) == 3
 
 
 def unsupported_experts_layout(module: nn.Module) -> str | None:
@@ -39,7 +39,7 @@ def unsupported_experts_layout(module: nn.Module) -> str | None:
     layout: `gate_up_proj` (E, 2I, H) with gate and up concatenated, `down_proj` (E, H, I), no biases, no norm
     after each expert, called as `experts(hidden_states, top_k_index, top_k_weights)`; the flags are the ones
     transformers' `use_experts_implementation` sets on the module."""
-    gate_up, down = module.gate_up_proj, module.down_proj
+    gate_up, down = full_shape(module.gate_up_proj), full_shape(module.down_proj)
     reasons = []
     if getattr(module, "is_transposed", False):
         reasons.append("transposed weights")
@@ -49,11 +49,9 @@ def unsupported_experts_layout(module: nn.Module) -> str | None:
         reasons.append("gate and up interleaved")
     if getattr(module, "has_post_expert_norm", False):
         reasons.append("a norm after each expert")
-    e, two_i, hidden = gate_up.shape
-    if not reasons and (two_i % 2 or tuple(down.shape) != (e, hidden, two_i // 2)):
-        reasons.append(
-            f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not (E, 2I, H), (E, H, I)"
-        )
+    e, two_i, hidden = gate_up
+    if not reasons and (two_i % 2 or tuple(down) != (e, hidden, two_i // 2)):
+        reasons.append(f"gate_up_proj {tuple(gate_up)} and down_proj {tuple(down)} are not (E, 2I, H), (E, H, I)")
     positional = [
         p
         for p in inspect.signature(module.forward).parameters.values()
@@ -112,7 +110,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         if why is not None:
             raise ValueError(f"FP8Experts cannot run {name or 'these experts'} ({why})")
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        self.num_experts = self.gate_up_proj.shape[0]
+        self.num_experts = full_shape(self.gate_up_proj)[0]
         self.backend, self.pow2_scales, self.fp8_name = backend, pow2_scales, name
         self._cache: dict[str, tuple] = {}
         self._backends: dict[torch.device, object] = {}
@@ -128,25 +126,30 @@ class FP8Experts(ExpertsGate, nn.Module):
         NaN/inf check (a host sync) is FP8Linear's too: deferred from the forward passes to the next call with
         `check_finite` (every export and sampler sync), which names the Parameter."""
         w = getattr(self, which)
-        key = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales)
-        if which not in self._cache or self._cache[which][0] != key:
+        key, sharded = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w)
+        entry = self._cache.get(which)
+        if sharded or entry is None or entry[0] != key:
             # Every expert's rows are whole 128-row blocks (conversion checks), so the experts stacked as one
             # (E * N, K) matrix quantize exactly as each alone: one launch of the backend's weight kernel for all.
             e, n, k = w.shape
             q, s, amax = self._backend(w.device).quantize_weight(
                 w.detach().reshape(e * n, k), (128, 128), self.pow2_scales, "", check_finite=False
             )
-            self._cache[which] = (key, q.view(e, n, k), s.view(e, n // 128, s.shape[-1]), amax)
-        key, q, s, amax = self._cache[which]
+            entry = (key, q.view(e, n, k), s.view(e, n // 128, s.shape[-1]), amax)
+        key, q, s, amax = entry
         if check_finite and amax is not None:
             check_amax(amax, w, f"{self.fp8_name}.{which}")
-            self._cache[which] = (key, q, s, None)
+            entry = (key, q, s, None)
+        if not sharded:  # as FP8Linear's: no cache of a ZeRO-3 weight
+            self._cache[which] = entry
         return q, s
 
     @torch.no_grad()
     def quantized_with_t(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`quantized(which)` plus the transposed codes (E, K, N), K-major for the grouped dgrad; once per step."""
         q, s = self.quantized(which, check_finite=False)
+        if is_sharded(getattr(self, which)):
+            return q, s, q.transpose(1, 2).contiguous()
         key = self._cache[which][0]
         cached = self._cache.get(f"{which}_t")
         if cached is None or cached[0] != key:
@@ -187,7 +190,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
+        e, two_i, h = full_shape(self.gate_up_proj)
         return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}, fp8=e4m3 w128x128/x1x128"
 
 

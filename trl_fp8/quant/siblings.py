@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, autocast_input, version_of, weights_epoch
+from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, version_of, weights_epoch
 
 
 SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -152,22 +152,25 @@ class FP8SiblingGroup:
         """The stacked `(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`, quantized once per step,
         with `FP8Linear`'s deferred NaN/inf check."""
         ws = [m.weight for m in self.members]
-        key = self._key()
-        if self._cache is None or self._cache[0] != key:
+        key, sharded = self._key(), any(is_sharded(w) for w in ws)
+        entry = self._cache
+        if sharded or entry is None or entry[0] != key:
             w = torch.cat([w.detach() for w in ws])
             backend = self.backend(w.device)
             names = "+".join(m.fp8_name for m in self.members)
             q, s, amax = backend.quantize_weight(w, (128, 128), self.pow2_scales, names, check_finite=False)
             contiguous = w.is_cuda and any(w.requires_grad for w in ws)
             qt, st = (q.t().contiguous(), s.t().contiguous()) if contiguous else (q.t(), s.t())
-            self._cache = (key, q, s, qt, st, amax)
-        if check_finite and self._cache[5] is not None:
-            if not bool(torch.isfinite(self._cache[5]).all()):
+            entry = (key, q, s, qt, st, amax)
+        if check_finite and entry[5] is not None:
+            if not bool(torch.isfinite(entry[5]).all()):
                 for m in self.members:  # name the culprit, not the stack
                     if not bool(torch.isfinite(m.weight).all()):
                         _raise_nonfinite(m.weight, m.fp8_name)
-            self._cache = (*self._cache[:5], None)
-        return self._cache[1:5]
+            entry = (*entry[:5], None)
+        if not sharded:  # as FP8Linear's: no cache of a ZeRO-3 weight
+            self._cache = entry
+        return entry[1:5]
 
     def member_weight(self, i: int, check_finite: bool) -> tuple[torch.Tensor, ...]:
         """Member `i`'s rows of `quantized()`: `(q, s, qᵀ, sᵀ)` views, the blocks it would have quantized alone."""
@@ -223,3 +226,10 @@ def group_siblings(model: torch.nn.Module) -> list[FP8SiblingGroup]:
             if len(same) >= 2:
                 groups.append(FP8SiblingGroup(same))
     return groups
+
+
+def ungroup_siblings(model: torch.nn.Module) -> None:
+    """Makes every grouped `FP8Linear` of `model` run alone again, each on its own weight."""
+    for module in model.modules():
+        if type(module) is FP8Linear:
+            module._siblings, module._sibling_index = None, 0

@@ -1,0 +1,86 @@
+"""DeepSpeed ZeRO-3's contracts with the FP8 modules and the export stream, in one process. ZeRO-3 itself runs in
+tests/test_distributed.py (two processes, against DDP); here its partitioning is stood in for the way DeepSpeed marks
+and empties a parameter: a `ds_id` attribute, `ds_shape`, and an empty tensor outside a gather (one process cannot
+shard anything)."""
+
+from contextlib import contextmanager
+
+import torch
+from conftest import tiny_policy
+
+from trl_fp8 import convert_to_fp8, iter_fp8_state
+from trl_fp8.demo.make_model import build_tokenizer
+from trl_fp8.quant import FP8Linear
+from trl_fp8.quant.linear import full_shape
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _shard(params) -> dict:
+    """Empties `params` as ZeRO-3 does outside a gather; returns their whole data, by parameter."""
+    whole = {}
+    for p in params:
+        whole[p] = p.data
+        p.ds_id, p.ds_shape = len(whole), p.shape
+        p.data = torch.empty(0, dtype=p.dtype)
+    return whole
+
+
+def _emulated_gather(whole: dict, log: list):
+    @contextmanager
+    def gather(params):
+        log.append({id(p) for p in params})
+        for p in params:
+            p.data = whole[p]
+        try:
+            yield
+        finally:
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    return gather
+
+
+def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward():
+    """A ZeRO-3 weight is whole only while DeepSpeed gathers it (its module's forward, then its backward): FP8Linear
+    keeps no quantization of it (a whole FP8 copy of every layer is what sharding avoids) and saves W, not Wᵀ in FP8,
+    for the backward, which quantizes it again. Outputs and gradients are bit for bit those of the cached path."""
+    torch.manual_seed(0)
+    cached, sharded = (FP8Linear(256, 384, bias=True) for _ in range(2))
+    sharded.load_state_dict(cached.state_dict())
+    x = torch.randn(3, 5, 256)
+    sharded.weight.ds_id, sharded.weight.ds_shape = 1, torch.Size([384, 256])  # as gathered: the module "runs"
+    outs = []
+    for layer in (cached, sharded):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.square().sum().backward()
+        outs.append((y, xi.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    assert cached._w_cache is not None and sharded._w_cache is None
+    sharded.weight.data = torch.empty(0)  # sharded again: conversion and selection read the whole shape
+    assert full_shape(sharded.weight) == (384, 256)
+
+
+def test_the_export_gathers_each_module_with_the_weights_its_quantization_reads():
+    """`iter_fp8_state(gather=...)` under emulated ZeRO-3: the stream is the unsharded one bit for bit; each FP8
+    linear is read with its sibling group's weights gathered (q_proj's quantization is the stacked q/k/v one), one
+    module at a time; what it yields is copied out of the gathered storage, and every parameter is sharded again
+    after."""
+    model = convert_to_fp8(tiny_policy(build_tokenizer()))
+    expected = {n: t.clone() for n, t in iter_fp8_state(model)}
+    q, k, v = (model.get_submodule(f"model.layers.0.self_attn.{x}_proj") for x in "qkv")
+    assert q._group() is not None and q._group() is k._group()
+    whole, log = _shard(model.parameters()), []
+    stream = list(iter_fp8_state(model, gather=_emulated_gather(whole, log)))
+    assert [n for n, _ in stream] == list(expected)
+    for name, t in stream:
+        assert torch.equal(_bits(t), _bits(expected[name])), name
+        assert all(t.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for w in whole.values())
+    qkv = {id(p) for m in (q, k, v) for p in m.parameters()}
+    assert log[0] == qkv  # the first FP8 module read: q_proj, with k's and v's weights
+    assert max(len(g) for g in log) <= 3 * 2  # never more than one group's weights (and biases) at once
+    assert all(p.numel() == 0 for p in model.parameters())
