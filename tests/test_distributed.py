@@ -1,4 +1,5 @@
-"""Real two-process runs on CPU through `accelerate launch`: DDP (gloo), and DeepSpeed ZeRO-2 as the recipes run."""
+"""Real two-process runs on CPU through `accelerate launch`: DDP (gloo), DeepSpeed ZeRO-2 as the recipes run, and
+ZeRO-3."""
 
 import importlib.util
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch_two_processes, tiny_policy
+from safetensors.torch import load_file
 
 from trl_fp8.demo.make_model import build_tokenizer
 
@@ -44,9 +46,13 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
 
 
 ZERO2_CPU = Path(__file__).parents[1] / "examples" / "accelerate_configs" / "zero2_cpu.yaml"
+ZERO3_CPU = ZERO2_CPU.with_name("zero3_cpu.yaml")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install deepspeed)"
+)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install deepspeed)")
+@needs_deepspeed
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path, lora):
     """The recipes' layout (examples/accelerate_configs/zero2_8gpu.yaml) on two CPU processes: ZeRO-2 shards the
@@ -71,6 +77,43 @@ def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path, lora
             assert torch.equal(rank["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name
     errors = [log["sampling/token_mult_prob_error"] for log in ranks[0]["log_history"] if "loss" in log]
     assert len(errors) == 2 and max(errors) < 1.1, errors  # the FP8 KV cache is on: its rounding, not the weights
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("model", ["dense", "lora", "moe"])
+def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model):
+    """ZeRO-3 (TRL's zero3.yaml settings: the policy and the reference model built sharded, by zero.Init) shards the
+    parameters too. Every FP8 linear quantizes the weight DeepSpeed gathers for it (each FP8 LoRA layer, which reads
+    its base layer's weight, gathered as one: a DeepSpeed leaf; sibling linears run alone), the reference model is
+    converted before DeepSpeed wraps it, and the sync (and `save_model`'s FP8 checkpoint) gathers one module at a
+    time. The first step computes exactly what DDP computes (the KL to the reference model 0), the ranks end
+    identical, and each sampler and the checkpoint hold the learner's FP8 weights bit for bit."""
+    flags = ["--beta", "--save_fp8", *{"dense": [], "lora": ["--lora"], "moe": ["--moe"]}[model]]
+    ranks = launch_two_processes(SCRIPT, tmp_path / "zero3", *flags, config_file=ZERO3_CPU)
+    assert [rank["zero_stage"] for rank in ranks] == [3, 3] and all(rank["sharded_at_start"] for rank in ranks)
+    linears = [f"model.layers.{i}.{m}_proj" for i in (0, 1) for m in ("self_attn.q", "self_attn.k", "self_attn.v")]
+    # (transformers makes the MoE blocks leaves of its own: `...mlp`)
+    lora_layers = [n for n in ranks[0]["zero3_leaves"] if n.endswith("_proj")]
+    assert len(lora_layers) == (14 if model == "lora" else 0), ranks[0]["zero3_leaves"]
+    for name, p0 in ranks[0]["params"].items():
+        assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
+    for rank in ranks:
+        assert all(f"{n}.weight_scale_inv" in rank["learner_fp8"] for n in linears)
+        assert any(".experts.3.down_proj." in n for n in rank["learner_fp8"]) == (model == "moe")
+        for name, t in rank["learner_fp8"].items():
+            assert torch.equal(rank["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name
+    saved = load_file(tmp_path / "zero3" / "fp8" / "model.safetensors")  # save_model(), fp8_save_format="fp8"
+    for name, t in ranks[0]["learner_fp8"].items():
+        assert torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
+    ddp = launch_two_processes(SCRIPT, tmp_path / "ddp", *flags)
+    first, first_ddp = ([log for log in r[0]["log_history"] if "loss" in log][0] for r in (ranks, ddp))
+    assert first["kl"] == 0.0  # the reference model computes what the policy computes, in FP8
+    for key in ("loss", "kl", "entropy", "reward", "sampling/token_mult_prob_error"):
+        assert first[key] == first_ddp[key], key
+    # The same gradients, summed in another order (DeepSpeed reduces in fp32 buckets): every parameter's counts.
+    assert first["grad_norm"] == pytest.approx(first_ddp["grad_norm"], rel=1e-5)
+    trained = [n for n in ranks[0]["params"] if "lora_" in n or model != "lora"]
+    assert trained and all(not torch.equal(ranks[0]["params"][n], ranks[0]["initial"][n]) for n in trained)
 
 
 def test_two_process_ddp_trains_fp8_lora_with_identical_adapters_and_samplers(tmp_path):

@@ -1,7 +1,6 @@
 """FP8GRPOTrainer as a drop-in GRPOTrainer: TRL's own test patterns, on a real tiny Llama, a real tokenizer and a
 real `datasets.Dataset`, all built in-process. The sampling engine's side of it: tests/test_reference_engine.py."""
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -273,24 +272,12 @@ def test_a_backend_that_cannot_run_here_is_refused_before_anything_changes(tmp_p
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_sharded_parameters_are_refused_at_start(tmp_path, demo_tokenizer, monkeypatch):
-    """FSDP (from TrainingArguments or `accelerate launch`'s environment) and DeepSpeed ZeRO-3 (from TrainingArguments'
-    `deepspeed` config, which sets transformers' global ZeRO-3 flag): refused before GRPOTrainer builds anything,
-    naming what works instead."""
+def test_fsdp_is_refused_at_start(tmp_path, demo_tokenizer, monkeypatch):
+    """FSDP (from TrainingArguments or `accelerate launch`'s environment): refused before GRPOTrainer builds anything,
+    naming what works instead (DeepSpeed ZeRO-3, which also shards parameters, runs: tests/test_distributed.py)."""
     kwargs = dict(reward_funcs=digit_reward, train_dataset=make_dataset(8), processing_class=demo_tokenizer)
-    with pytest.raises(NotImplementedError, match=r"does not support FSDP yet.*ZeRO-2"):
+    with pytest.raises(NotImplementedError, match=r"does not support FSDP yet.*ZeRO-2.*ZeRO-3"):
         FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path, fsdp="full_shard"), **kwargs)
-    if importlib.util.find_spec("deepspeed") is not None:  # the dev extra installs it
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
-        try:
-            with pytest.raises(NotImplementedError, match=r"does not support DeepSpeed ZeRO-3 yet.*ZeRO-2"):
-                FP8GRPOTrainer(
-                    model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path, deepspeed=zero3), **kwargs
-                )
-        finally:
-            unset_hf_deepspeed_config()  # the flag is process-global
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(NotImplementedError, match=r"does not support FSDP yet"):
         FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path), **kwargs)

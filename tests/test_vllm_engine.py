@@ -3,6 +3,7 @@ refused keys, the version range, stream validation, the refit call sequence; vLL
 are in tests/test_vllm_layout.py); the end-to-end runs need vLLM: its CUDA build on a GPU, or its CPU build
 (`-m vllm`, tests/scripts/vllm_cpu.sh)."""
 
+import importlib.util
 import itertools
 import json
 import subprocess
@@ -375,10 +376,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _two_ranks(tmp_path, *flags) -> list[dict]:
-    ranks = launch_two_processes(ROOT / "tests" / "scripts" / "vllm_ddp_two_steps.py", tmp_path, *flags, timeout=1200)
+def _two_ranks(tmp_path, *flags, config_file=None) -> list[dict]:
+    script = ROOT / "tests" / "scripts" / "vllm_ddp_two_steps.py"
+    ranks = launch_two_processes(script, tmp_path, *flags, timeout=1200, config_file=config_file)
     assert ranks[0]["world_size"] == 2
-    for name, param in ranks[0]["learner"].items():  # DDP: the learners are one
+    for name, param in ranks[0]["learner"].items():  # DDP, ZeRO-3: the learners are one
         assert torch.equal(param, ranks[1]["learner"][name]), name
     for rank in ranks:
         torch.testing.assert_close(torch.tensor(rank["kv_scales_served"]), torch.tensor(rank["kv_scales_sent"]))
@@ -394,11 +396,18 @@ _NOT_TWO_RANKS = dict(condition=torch.cuda.device_count() == 1, reason="one engi
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.skipif(**_NOT_TWO_RANKS)
-def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path):
-    """DDP over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV
-    cache: the learners end identical, each engine serves its learner's q/k/v export bit for bit, and the two engines
-    hold the same bytes in every parameter and the same K/V/Q scales (calibrated on both ranks' rows)."""
-    ranks = _two_ranks(tmp_path)
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path, layout):
+    """DDP (or DeepSpeed ZeRO-3, whose sync gathers the sharded learner module by module) over two processes with one
+    colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV cache: the learners end identical,
+    each engine serves its learner's q/k/v export bit for bit, and the two engines hold the same bytes in every
+    parameter and the same K/V/Q scales (calibrated on both ranks' rows)."""
+    if layout == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs DeepSpeed (pip install deepspeed)")
+    zero3 = "zero3_8gpu.yaml" if torch.cuda.is_available() else "zero3_cpu.yaml"  # (two of its eight processes)
+    config = ROOT / "examples" / "accelerate_configs" / zero3 if layout == "zero3" else None
+    ranks = _two_ranks(tmp_path, config_file=config)
+    assert [rank["zero_stage"] for rank in ranks] == [3 if layout == "zero3" else 0] * 2
     prefix = "model.layers.0.self_attn."
     for rank in ranks:
         for suffix in ("weight", "weight_scale_inv"):

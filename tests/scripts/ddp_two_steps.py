@@ -1,9 +1,11 @@
 """Run by tests/test_distributed.py under `accelerate launch --num_processes 2`: two FP8 GRPO steps with DDP (gloo),
-or with DeepSpeed ZeRO-2 when the accelerate config says so, and the FP8 KV cache; then each rank writes its final
-parameters, its sampler's Q/K/V scales and FP8 weights and the learner's to `<output_dir>/rank{r}.pt`. With `--lora`,
-FP8 + LoRA."""
+or with DeepSpeed ZeRO-2 or ZeRO-3 when the accelerate config says so, and the FP8 KV cache; then each rank writes
+its final parameters, its sampler's Q/K/V scales and FP8 weights and the learner's to `<output_dir>/rank{r}.pt`.
+`--lora`: FP8 + LoRA; `--beta`: a KL term (the reference model loaded from the policy's path, as TRL does); `--moe`:
+a tiny Qwen3-MoE; `--save_fp8`: `save_model()` with `fp8_save_format="fp8"` to `<output_dir>/fp8`."""
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -18,41 +20,66 @@ from trl_fp8 import FP8GRPOTrainer, iter_fp8_state  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
+from trl_fp8.demo.tiny_moe import tiny_qwen3_moe  # noqa: E402
 from trl_fp8.quant import FP8Linear  # noqa: E402
 from trl_fp8.quant.adapters import unwrap_peft  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 
 
-def main(output_dir: str, lora: bool):
+def gathered(model):
+    """ZeRO-3: the whole parameters, on every rank."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool):
     tokenizer = build_tokenizer()
-    args = tiny_grpo_args(output_dir, learning_rate=0.05, fp8_kv_cache=True)
+    save_format = "fp8" if save_fp8 else "bf16"
+    args = tiny_grpo_args(output_dir, learning_rate=0.05, fp8_kv_cache=True, beta=beta, fp8_save_format=save_format)
+    model = tiny_qwen3_moe(tokenizer) if moe else tiny_policy(tokenizer)
+    if beta:  # TRL loads the reference model from the policy's path
+        path = Path(output_dir) / "policy"
+        if PartialState().is_main_process:
+            model.save_pretrained(path)
+        PartialState().wait_for_everyone()
+        model = str(path)
     trainer = FP8GRPOTrainer(
-        model=tiny_policy(tokenizer),
+        model=model,
         reward_funcs=digit_reward,
         args=args,
         train_dataset=make_dataset(32),
         processing_class=tokenizer,
         peft_config=LoraConfig(target_modules="all-linear", lora_dropout=0.0) if lora else None,
     )
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    sharded_at_start = any(hasattr(p, "ds_id") for p in policy.parameters())  # ZeRO-3 built it sharded (zero.Init)
+    with gathered(policy) if sharded_at_start else nullcontext():
+        initial = {n: p.detach().clone() for n, p in policy.named_parameters()}
     trainer.train()
     state = PartialState()
-    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
     engine = trainer.vllm_generation
     kv_scales = {
         n: b.clone() for n, b in engine.sampler.named_buffers() if n.endswith(("k_scale", "v_scale", "q_scale"))
     }
     # One more calibration on this rank's latest batch: what this rank measures alone, and what all ranks agree on.
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    # Each FP8 layer's cached weight is the quantization of the master weight it holds after the last optimizer step
-    # (DeepSpeed writes the updated weights into the parameters without moving their version counters).
-    fresh = [holds_its_own_fp8_weight(m) for m in unwrap_peft(policy).modules() if isinstance(m, FP8Linear)]
     local = calibrate_kv_scales(policy.get_decoder(), *engine.calibration_batch)
     engine.calibrate_kv_scales()
     kv_agreed = engine._kv_scale_invs.clone()
     engine.sync_weights()  # the sampler last synced before the final optimizer step
+    if save_fp8:
+        trainer.save_model(str(Path(output_dir) / "fp8"))  # every rank: ZeRO-3 gathers as it writes
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    with gathered(policy) if zero3 else nullcontext():
+        params = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        # Each FP8 layer's cached weight is the quantization of the master weight it holds after the last optimizer
+        # step (DeepSpeed writes the updated weights into the parameters without moving their version counters).
+        fresh = [holds_its_own_fp8_weight(m) for m in unwrap_peft(policy).modules() if isinstance(m, FP8Linear)]
+        learner_fp8 = {n: t.clone() for n, t in iter_fp8_state(engine.learner()) if "_proj." in n}
     torch.save(
         {
             "params": params,
+            "initial": initial,
             "kv_scales": kv_scales,
             "kv_local": local,
             "kv_agreed": kv_agreed,
@@ -61,13 +88,17 @@ def main(output_dir: str, lora: bool):
             if trainer.is_deepspeed_enabled
             else None,
             "fresh_fp8_weights": fresh,
+            "sharded_at_start": sharded_at_start,
+            "zero3_leaves": [n for n, m in policy.named_modules() if getattr(m, "_z3_leaf", False)],
             "log_history": trainer.state.log_history,
             "sampler_fp8": {n: t.clone() for n, t in engine.sampler.state_dict().items() if "_proj." in n},
-            "learner_fp8": {n: t.clone() for n, t in iter_fp8_state(engine.learner()) if "_proj." in n},
+            "learner_fp8": learner_fp8,
         },
         Path(output_dir) / f"rank{state.process_index}.pt",
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--lora" in sys.argv[2:])
+    flags = sys.argv[2:]
+    beta = 0.04 if "--beta" in flags else 0.0
+    main(sys.argv[1], "--lora" in flags, beta=beta, moe="--moe" in flags, save_fp8="--save_fp8" in flags)

@@ -1,5 +1,6 @@
 """Run by tests/test_vllm_engine.py under `accelerate launch --num_processes 2` (vLLM only): two FP8 GRPO steps with
-DDP, the FP8 KV cache and one colocated vLLM engine per rank, as on a node of GPUs; then each rank writes what its
+DDP (or DeepSpeed ZeRO-3, as the accelerate config says), the FP8 KV cache and one colocated vLLM engine per rank,
+as on a node of GPUs; then each rank writes what its
 engine serves (weights, K/V/Q scales), its learner's parameters and its export to `<output_dir>/rank{r}.pt`. With
 `--tp`, the two ranks' engines are one engine in tensor parallelism (`vllm_tensor_parallel_size=2`), on a tiny Qwen3
 whose every shard is whole 128x128 blocks. On vLLM's CPU build the block-FP8 kernels are stood in for as in
@@ -10,6 +11,7 @@ tests/scripts/vllm_two_steps.py.
 
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 from accelerate import PartialState
@@ -19,6 +21,15 @@ from vllm_two_steps import _emulate_vllm_fp8_kernels_on_cpu
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.families import tiny
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
+
+
+def gathered(model, zero3: bool):
+    """The whole parameters on every rank (ZeRO-3 shards them)."""
+    if not zero3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
 def main(output_dir: str, tp: bool) -> None:
@@ -45,12 +56,17 @@ def main(output_dir: str, tp: bool) -> None:
     engine.sync_weights()  # the refit after the last optimizer step (every rank: the scales are reduced over ranks)
     names = ("_k_scale_float", "_v_scale_float", "_q_scale_float")
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    with gathered(policy, zero3):
+        learner = {n: p.detach().cpu().clone() for n, p in policy.named_parameters()}
+        export = {n: t.cpu().clone() for n, t in iter_fp8_state(policy)}
     torch.save(
         {
             "world_size": trainer.accelerator.num_processes,
+            "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else 0,
             "log_history": trainer.state.log_history,
-            "learner": {n: p.detach().cpu() for n, p in policy.named_parameters()},
-            "export": {n: t.cpu() for n, t in iter_fp8_state(policy)},
+            "learner": learner,
+            "export": export,
             "served": engine.llm.apply_model(lambda m: {n: p.detach().cpu() for n, p in m.named_parameters()})[0],
             "kv_scales_served": engine.llm.apply_model(
                 lambda m: [[float(getattr(layer.self_attn.attn, n)) for n in names] for layer in m.model.layers]

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.modeling_utils import set_zero3_state  # "zero.Init already runs": transformers adds none
 from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
@@ -34,7 +35,9 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
     config.use_cache = (
         True  # the learner's config may have it off (gradient checkpointing); a sampler decodes with one
     )
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Under DeepSpeed ZeRO-3 transformers builds every model partitioned (`zero.Init`); the sampler is whole, its own.
+    with set_zero3_state():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to(policy.device if hasattr(policy, "device") else "cpu").eval().requires_grad_(False)
     if fp8:
         for name in select_fp8_linears(model, recipe)[0]:

@@ -6,6 +6,7 @@ import time
 
 import torch
 from torch import nn
+from trl.distributed import DistributedBackend
 
 from ..quant.adapters import adapter_state, unwrap_peft
 from ..quant.blockwise import FP8_DTYPE
@@ -62,6 +63,9 @@ class LearnerStream:
         self._attn_names = attention_module_names(self.learner()) if kv_cache else []
         self._synced_versions: tuple | None = None
         self.last_sync: dict[str, float] | None = None
+        # DeepSpeed ZeRO-3 shards the learner's parameters: the stream gathers each module's while reading it.
+        dist = DistributedBackend(accelerator)
+        self._gather = dist.gather_params if dist.is_zero3 else None
 
     def learner(self) -> nn.Module:
         """The learner as a transformers model, in the checkpoint's module names (no DDP or PEFT wrapper)."""
@@ -77,10 +81,10 @@ class LearnerStream:
         """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
         policy = self.learner()
         if not self.fp8:
-            return list(iter_hp_state(policy))
+            return list(iter_hp_state(policy, gather=self._gather))
         # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
         converted = getattr(policy, "fp8_recipe", None) is not None
-        pairs = list(iter_fp8_state(policy, None if converted else self.recipe))
+        pairs = list(iter_fp8_state(policy, None if converted else self.recipe, gather=self._gather))
         if self.kv_cache:
             if self._kv_scale_invs is None:
                 raise RuntimeError("FP8 KV cache: no Q/K/V scales yet; sync_weights() calibrates them first")

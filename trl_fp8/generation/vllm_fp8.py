@@ -308,7 +308,9 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             )
         check_architecture(policy, vllm_architectures(policy.name_or_path, self.vllm_llm_kwargs))
         # vLLM builds the text model config.json names: its tensors without the multimodal checkpoint's prefix.
-        self.checkpoint_names = stream_checkpoint_names(policy, self.recipe, self._attn_names, prefixes=False)
+        self.checkpoint_names = stream_checkpoint_names(
+            policy, self.recipe, self._attn_names, prefixes=False, gather=self._gather
+        )
         overrides = fp8_llm_kwargs(
             policy,
             self.recipe,

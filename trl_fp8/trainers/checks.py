@@ -64,18 +64,13 @@ def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
 
 
 def check_parameters_unsharded(args: FP8GRPOConfig) -> None:
-    """Refuses FSDP and DeepSpeed ZeRO-3 at start: each process quantizes and streams whole parameters to its
-    sampler, and does not gather sharded ones (ZeRO-1/2 shard optimizer state only, and work)."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    what = "DeepSpeed ZeRO-3" if is_deepspeed_zero3_enabled() else None
+    """Refuses FSDP at start: each process quantizes and streams whole parameters to its sampler, and does not gather
+    FSDP's shards (DeepSpeed ZeRO-1/2 shard optimizer state only; ZeRO-3's parameters are gathered for the stream)."""
     if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        what = "FSDP"
-    if what is not None:
         raise NotImplementedError(
-            f"FP8GRPOTrainer does not support {what} yet: the FP8 weight sync streams whole parameters and does not "
-            "gather sharded ones. Use DeepSpeed ZeRO-2 (examples/accelerate_configs/zero2_8gpu.yaml), as the recipes "
-            "do, or plain data parallelism."
+            "FP8GRPOTrainer does not support FSDP yet: the FP8 weight sync streams whole parameters and does not "
+            "gather FSDP's shards. Use DeepSpeed ZeRO-2 (examples/accelerate_configs/zero2_8gpu.yaml), as the "
+            "recipes do, ZeRO-3, or plain data parallelism."
         )
 
 

@@ -19,7 +19,7 @@ from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8, fp8_modules
-from ..quant.export import save_fp8_checkpoint, stream_checkpoint_names
+from ..quant.export import iter_fp8_state, save_fp8_checkpoint, stream_checkpoint_names
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.moe import capture_routing, is_fused_experts
@@ -32,6 +32,7 @@ from .checks import (
     warn_truncated_sampling,
 )
 from .fp8_grpo_config import FP8GRPOConfig
+from .zero3 import prepare_for_zero3, reference_converted_before_deepspeed
 
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,10 @@ class FP8GRPOTrainer(GRPOTrainer):
     - `create_model_card`: TRL's card, plus a section with the recipe, the FP8 settings and the run's mismatch.
     - `save_model`: with `fp8_save_format="fp8"`, writes the block-FP8 checkpoint of the export stream; always writes
       the recipe (`fp8_recipe.json`) beside the weights.
+
+    Under DeepSpeed ZeRO-3 the sibling linears run alone, FP8 LoRA layers are gathered with their base layers, and
+    the reference model is converted before DeepSpeed wraps it (`trl_fp8.trainers.zero3`); the stream to the
+    sampler gathers one module at a time. FSDP is refused.
 
     The loss, the IS correction, the optimizer and the sync schedule are TRL's, unchanged.
     """
@@ -101,7 +106,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 kv_scale_margin=args.fp8_kv_scale_margin,
                 vllm_llm_kwargs=args.vllm_llm_kwargs,
             )
-        with _engine_class(engine):
+        with _engine_class(engine), reference_converted_before_deepspeed(self):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         if args.use_vllm:  # before any forward of the learner (ours and TRL's BF16 engine alike)
             restore_module_call(self.model, self.ref_model)
@@ -110,7 +115,9 @@ class FP8GRPOTrainer(GRPOTrainer):
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
             check_peft_supported(policy, allow_dropout=not args.fp8_training)
         if args.fp8_save_format == "fp8":  # refused before conversion, rather than when the run ends
-            stream_checkpoint_names(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
+            stream_checkpoint_names(
+                unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe, gather=self._gather
+            )
         if args.fp8_training:
             # Conversion warns about what stays in high precision; those warnings point at the user's line that
             # built the trainer rather than at this file (any other warning keeps its own place).
@@ -123,6 +130,8 @@ class FP8GRPOTrainer(GRPOTrainer):
                     convert_lora_layers(policy)
                     if self.ref_model is not None:
                         convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
+                    if self._dist.is_zero3:  # before DeepSpeed's engine exists (built in `train()`)
+                        prepare_for_zero3(policy)
             finally:  # also when conversion fails: what it warned of before is not lost
                 for w in caught:
                     if str(w.message).startswith("trl-fp8:"):
@@ -166,6 +175,11 @@ class FP8GRPOTrainer(GRPOTrainer):
         self.use_vllm = True
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
         self._last_loaded_step = -1
+
+    @property
+    def _gather(self):
+        """TRL's gather of DeepSpeed ZeRO-3's sharded parameters, to read whole weights; `None` without ZeRO-3."""
+        return self._dist.gather_params if self._dist.is_zero3 else None
 
     def train(self, *args, **kwargs):
         # TRL refits the sampler when `global_step` differs from the step it last synced at; a second `train()`
@@ -223,9 +237,14 @@ class FP8GRPOTrainer(GRPOTrainer):
         final = not _internal_call or getattr(self, "_saving_for_push", False)
         if self.args.fp8_save_format != "fp8" or not final:
             return super().save_model(output_dir, _internal_call=_internal_call)
+        policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
         if self.args.should_save:
-            policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
-            save_fp8_checkpoint(policy, output_dir, self.args.resolved_fp8_recipe)
+            save_fp8_checkpoint(policy, output_dir, self.args.resolved_fp8_recipe, gather=self._gather)
+        elif self._gather is not None:  # ZeRO-3's gathers are collective: every rank walks the same stream
+            converted = getattr(policy, "fp8_recipe", None) is not None
+            for _ in iter_fp8_state(policy, None if converted else self.args.resolved_fp8_recipe, self._gather):
+                pass
+        if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
