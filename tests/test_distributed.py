@@ -88,7 +88,9 @@ def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model):
     converted before DeepSpeed wraps it, and the sync (and `save_model`'s FP8 checkpoint) gathers one module at a
     time. The first step computes exactly what DDP computes (the KL to the reference model 0), the ranks end
     identical, and each sampler and the checkpoint hold the learner's FP8 weights bit for bit."""
-    flags = ["--beta", "--save_fp8", *{"dense": [], "lora": ["--lora"], "moe": ["--moe"]}[model]]
+    # With TRL's default gradient checkpointing (which PEFT under ZeRO-3 makes reentrant) for LoRA and MoE.
+    extra = {"dense": [], "lora": ["--lora", "--gradient_checkpointing"], "moe": ["--moe", "--gradient_checkpointing"]}
+    flags = ["--beta", "--save_fp8", *extra[model]]
     ranks = launch_two_processes(SCRIPT, tmp_path / "zero3", *flags, config_file=ZERO3_CPU)
     assert [rank["zero_stage"] for rank in ranks] == [3, 3] and all(rank["sharded_at_start"] for rank in ranks)
     linears = [f"model.layers.{i}.{m}_proj" for i in (0, 1) for m in ("self_attn.q", "self_attn.k", "self_attn.v")]

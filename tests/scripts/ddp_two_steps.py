@@ -2,7 +2,8 @@
 or with DeepSpeed ZeRO-2 or ZeRO-3 when the accelerate config says so, and the FP8 KV cache; then each rank writes
 its final parameters, its sampler's Q/K/V scales and FP8 weights and the learner's to `<output_dir>/rank{r}.pt`.
 `--lora`: FP8 + LoRA; `--beta`: a KL term (the reference model loaded from the policy's path, as TRL does); `--moe`:
-a tiny Qwen3-MoE; `--save_fp8`: `save_model()` with `fp8_save_format="fp8"` to `<output_dir>/fp8`."""
+a tiny Qwen3-MoE; `--save_fp8`: `save_model()` with `fp8_save_format="fp8"` to `<output_dir>/fp8`;
+`--gradient_checkpointing`: TRL's default, which the other tests turn off."""
 
 import sys
 from contextlib import nullcontext
@@ -33,10 +34,13 @@ def gathered(model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool):
+def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc: bool):
     tokenizer = build_tokenizer()
     save_format = "fp8" if save_fp8 else "bf16"
-    args = tiny_grpo_args(output_dir, learning_rate=0.05, fp8_kv_cache=True, beta=beta, fp8_save_format=save_format)
+    args = tiny_grpo_args(
+        output_dir, learning_rate=0.05, fp8_kv_cache=True, beta=beta, fp8_save_format=save_format,
+        gradient_checkpointing=gc,
+    )  # fmt: skip
     model = tiny_qwen3_moe(tokenizer) if moe else tiny_policy(tokenizer)
     if beta:  # TRL loads the reference model from the policy's path
         path = Path(output_dir) / "policy"
@@ -101,4 +105,7 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool):
 if __name__ == "__main__":
     flags = sys.argv[2:]
     beta = 0.04 if "--beta" in flags else 0.0
-    main(sys.argv[1], "--lora" in flags, beta=beta, moe="--moe" in flags, save_fp8="--save_fp8" in flags)
+    main(
+        sys.argv[1], "--lora" in flags, beta=beta, moe="--moe" in flags, save_fp8="--save_fp8" in flags,
+        gc="--gradient_checkpointing" in flags,
+    )  # fmt: skip

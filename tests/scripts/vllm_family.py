@@ -38,32 +38,57 @@ def _params(engine) -> dict[str, torch.Tensor]:
     return engine.llm.apply_model(_held)[0]
 
 
-def _stub_torchvision() -> None:
+_TORCHVISION_STUB = '''"""An empty torchvision: every attribute and submodule an empty module (tests/scripts/vllm_family.py)."""
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.0+stub"
+
+
+class _Empty(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return importlib.import_module(f"{self.__name__}.{name}")
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        return _Empty(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _Finder())
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return importlib.import_module(f"torchvision.{name}")
+'''
+
+
+def _stub_torchvision(output_dir: str) -> None:
     """vLLM's Qwen3.5 classes import transformers' Qwen2-VL image processor, which imports torchvision at module level;
     PyPI's torchvision is built for torch's CUDA build and does not load on its CPU build. A text policy never runs
-    any of it, so on CPU those imports get empty modules: the one stand-in besides the FP8 kernels."""
-    import importlib.abc
-    import importlib.machinery
-    import types
-
-    class Empty(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return importlib.import_module(f"{self.__name__}.{name}")
-
-    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] == "torchvision":
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-        def create_module(self, spec):
-            return Empty(spec.name)
-
-        def exec_module(self, module):
-            module.__version__ = "0.0+stub"
-
-    sys.meta_path.insert(0, Finder())
+    any of it, so on CPU those imports get empty modules: the one stand-in besides the FP8 kernels. It is a package on
+    PYTHONPATH, as vLLM inspects a model class in a subprocess of its own (unless its cache of model infos, under
+    VLLM_CACHE_ROOT, already holds the class: a fresh machine's does not)."""
+    stub = os.path.join(output_dir, "torchvision_stub")
+    os.makedirs(os.path.join(stub, "torchvision"), exist_ok=True)
+    with open(os.path.join(stub, "torchvision", "__init__.py"), "w") as f:
+        f.write(_TORCHVISION_STUB)
+    sys.path.insert(0, stub)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [stub, os.environ.get("PYTHONPATH")]))
 
 
 def main(family: str, output_dir: str) -> None:
@@ -72,7 +97,7 @@ def main(family: str, output_dir: str) -> None:
         _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if family.startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
-            _stub_torchvision()
+            _stub_torchvision(output_dir)
     family, _, tied = family.partition(":")
     model_dir = os.path.join(output_dir, family)
     tiny(family, **({"tie_word_embeddings": True} if tied else {})).save_pretrained(model_dir)
