@@ -93,6 +93,13 @@ def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model):
     flags = ["--beta", "--save_fp8", *extra[model]]
     ranks = launch_two_processes(SCRIPT, tmp_path / "zero3", *flags, config_file=ZERO3_CPU)
     assert [rank["zero_stage"] for rank in ranks] == [3, 3] and all(rank["sharded_at_start"] for rank in ranks)
+    # Sharded between uses: every weight of the decoder layers (the test's config keeps no parameter whole), and the
+    # reference model's siblings run alone too.
+    empty = ranks[0]["empty_outside_a_gather"]
+    weights = [n for n in ranks[0]["params"] if ".layers." in n and n.endswith(("_proj.weight", "base_layer.weight"))]
+    assert len(weights) == (8 if model == "moe" else 14) and all(n in empty for n in weights), empty
+    assert model != "moe" or all(f"model.layers.{i}.mlp.experts.gate_up_proj" in empty for i in (0, 1))
+    assert not ranks[0]["ref_grouped"]
     linears = [f"model.layers.{i}.{m}_proj" for i in (0, 1) for m in ("self_attn.q", "self_attn.k", "self_attn.v")]
     # (transformers makes the MoE blocks leaves of its own: `...mlp`)
     lora_layers = [n for n in ranks[0]["zero3_leaves"] if n.endswith("_proj")]

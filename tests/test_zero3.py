@@ -5,13 +5,18 @@ shard anything)."""
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 from conftest import tiny_policy
 
-from trl_fp8 import convert_to_fp8, iter_fp8_state
+from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.make_model import build_tokenizer
+from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
+from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import FP8Linear
 from trl_fp8.quant.linear import full_shape
+from trl_fp8.quant.moe import FP8Experts
+from trl_fp8.trainers.checks import check_backend_runs_here
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +61,8 @@ def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward():
     for layer in (cached, sharded):
         xi = x.clone().requires_grad_()
         y = layer(xi)
+        saved = y.grad_fn.saved_tensors[0]  # what waits for the backward: Wᵀ in FP8, or W itself
+        assert saved.dtype == (torch.float32 if layer is sharded else torch.float8_e4m3fn)
         y.square().sum().backward()
         outs.append((y, xi.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*outs, strict=True):
@@ -84,3 +91,18 @@ def test_the_export_gathers_each_module_with_the_weights_its_quantization_reads(
     assert log[0] == qkv  # the first FP8 module read: q_proj, with k's and v's weights
     assert max(len(g) for g in log) <= 3 * 2  # never more than one group's weights (and biases) at once
     assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_a_model_built_sharded_converts_and_passes_the_vllm_layout_checks():
+    """Under zero.Init the parameters are sharded before conversion: the experts are found and checked by their
+    whole shapes (`ds_shape`), and TransformerEngine, whose linears copy the weights they are given, is refused."""
+    model = tiny_qwen3_moe(build_tokenizer())
+    _shard(model.parameters())
+    convert_to_fp8(model)
+    assert sum(isinstance(m, FP8Experts) for m in model.modules()) == 2
+    assert all(m.num_experts == 4 for m in model.modules() if isinstance(m, FP8Experts))
+    check_vllm_fp8_layers(model, FP8Recipe(), tp_size=1)
+    with pytest.raises(RuntimeError, match="'te' does not run under DeepSpeed ZeRO-3"):
+        convert_to_fp8(tiny_qwen3_moe(build_tokenizer()), FP8Recipe(backend="te"), sharded=True)
+    with pytest.raises(RuntimeError, match="'te' does not run under DeepSpeed ZeRO-3.*backend='auto'"):
+        check_backend_runs_here(FP8Recipe(backend="te"), torch.device("cuda"), zero3=True)

@@ -73,6 +73,9 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
     engine.sync_weights()  # the sampler last synced before the final optimizer step
     if save_fp8:
         trainer.save_model(str(Path(output_dir) / "fp8"))  # every rank: ZeRO-3 gathers as it writes
+    empty = [n for n, p in policy.named_parameters() if p.numel() == 0]  # ZeRO-3: sharded between uses
+    ref = None if trainer.ref_model is None else trainer.accelerator.unwrap_model(trainer.ref_model)
+    ref_grouped = ref is not None and any(m._group() is not None for m in ref.modules() if isinstance(m, FP8Linear))
     zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
     with gathered(policy) if zero3 else nullcontext():
         params = {n: p.detach().clone() for n, p in policy.named_parameters()}
@@ -93,6 +96,8 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
             else None,
             "fresh_fp8_weights": fresh,
             "sharded_at_start": sharded_at_start,
+            "empty_outside_a_gather": empty,
+            "ref_grouped": ref_grouped,
             "zero3_leaves": [n for n, m in policy.named_modules() if getattr(m, "_z3_leaf", False)],
             "log_history": trainer.state.log_history,
             "sampler_fp8": {n: t.clone() for n, t in engine.sampler.state_dict().items() if "_proj." in n},

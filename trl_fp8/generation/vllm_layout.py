@@ -20,6 +20,7 @@ from torch import nn
 
 from ..quant.convert import named_linears, select_fp8_experts, select_fp8_linears
 from ..quant.export import PRE_FUSED, high_precision_modules
+from ..quant.linear import full_shape
 
 
 # vLLM's stacked-parameter mappings: Llama-style decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE attention),
@@ -144,7 +145,7 @@ def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[st
     kept = [n for n in high_precision_modules(model, fp8 | set(fp8_experts)) if "lm_head" not in n.split(".")]
     for name in fp8_experts:
         # vLLM's `validate_fp8_block_shape_moe`: each rank's slice of the expert intermediate size in whole blocks.
-        intermediate = model.get_submodule(name).gate_up_proj.shape[1] // 2
+        intermediate = full_shape(model.get_submodule(name).gate_up_proj)[1] // 2  # (a ZeRO-3 shard is empty)
         if (intermediate // tp_size) % 128:
             raise ValueError(
                 f"vLLM cannot serve {name} in block FP8 with vllm_tensor_parallel_size={tp_size}: the expert "

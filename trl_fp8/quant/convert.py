@@ -17,7 +17,7 @@ import warnings
 
 from torch import nn
 
-from .linear import FP8Linear, full_shape
+from .linear import FP8Linear, full_shape, is_sharded
 from .te_linear import is_te_linear, te_linear_class, te_recipe_status, te_status
 
 
@@ -154,7 +154,7 @@ def _config_layers(model: nn.Module) -> int | None:
     return getattr(text_config, "num_hidden_layers", None)
 
 
-def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
+def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> nn.Module:
     """Converts `model`'s decoder-layer linears to `FP8Linear` in place and returns `model`.
 
     Args:
@@ -162,6 +162,10 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             A transformers causal LM (or any module whose decoder blocks live under `...layers.{i}.`).
         recipe (`FP8Recipe`, `dict` or path, *optional*):
             The recipe; defaults to `FP8Recipe()`.
+        sharded (`bool`, *optional*, defaults to `False`):
+            Whether the parameters are (or will be) sharded by DeepSpeed ZeRO-3: TransformerEngine's linears, which
+            copy the weights they are given and cache their own FP8 weights, are then left out (`auto` takes
+            trl-fp8's linears; `te` raises).
 
     Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
     Converting an already converted model again with the same recipe is a no-op; with another recipe, or a model
@@ -212,7 +216,7 @@ def convert_to_fp8(model: nn.Module, recipe=None) -> nn.Module:
             f"modules_to_not_convert={recipe.modules_to_not_convert}): nothing will run in FP8",
             stacklevel=2,
         )
-    te_linear = _te_linear_for(model, recipe)
+    te_linear = _te_linear_for(model, recipe, sharded or any(is_sharded(p) for p in model.parameters()))
     for name in selected:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -260,9 +264,14 @@ def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear | FP8Experts) or is_te_linear(m)}
 
 
-def _te_linear_for(model: nn.Module, recipe):
+def _te_linear_for(model: nn.Module, recipe, sharded: bool):
     """TransformerEngine's linear class when the recipe asks for it (or `auto` finds it usable), else `None`."""
     if recipe.backend not in ("te", "auto"):
+        return None
+    if sharded:
+        if recipe.backend == "te":
+            raise RuntimeError("FP8 backend 'te' does not run under DeepSpeed ZeRO-3 yet; use backend='auto'")
+        logger.info("trl-fp8: backend='auto' leaves TransformerEngine out under DeepSpeed ZeRO-3")
         return None
     ok, why = te_recipe_status(recipe.pow2_scales)
     on_gpu = any(p.is_cuda for p in model.parameters())

@@ -15,6 +15,7 @@ the recipe selects are then quantized here, with the recipe's rule.
 
 import contextlib
 import copy
+import itertools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,12 +73,18 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
         done.update(n for n, _ in pairs)
         if fused_experts:
             done.update(f"{mod_name}.{which}" for which in ("gate_up_proj", "down_proj"))
-    for name, param in model.named_parameters():
-        if name not in done and not name.startswith(inside_adapted):
-            with _gathering(gather, [param]):
-                pairs = _copied([(name, param.detach())], gather)
-            yield from pairs
+    rest = [(n, p) for n, p in model.named_parameters() if n not in done and not n.startswith(inside_adapted)]
+    yield from _as_they_are(rest, gather)
     yield from _persistent_buffers(model)
+
+
+def _as_they_are(named: list[tuple[str, nn.Parameter]], gather: Gather | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named`'s parameters as they are, each module's gathered at once (one collective per module, not per tensor)."""
+    for _, group in itertools.groupby(named, key=lambda pair: pair[0].rpartition(".")[0]):
+        group = list(group)
+        with _gathering(gather, [p for _, p in group]):
+            pairs = _copied([(n, p.detach()) for n, p in group], gather)
+        yield from pairs
 
 
 def _module_pairs(
@@ -164,11 +171,7 @@ def iter_hp_state(model: nn.Module, gather: Gather | None = None) -> Iterator[tu
                 pairs.append((f"{name}.bias", layer.get_base_layer().bias.detach()))
             pairs = _copied(pairs, gather)
         yield from pairs
-    for name, param in model.named_parameters():
-        if not name.startswith(inside_adapted):
-            with _gathering(gather, [param]):
-                pairs = _copied([(name, param.detach())], gather)
-            yield from pairs
+    yield from _as_they_are([(n, p) for n, p in model.named_parameters() if not n.startswith(inside_adapted)], gather)
     yield from _persistent_buffers(model)
 
 
@@ -265,18 +268,25 @@ def stream_checkpoint_names(
     return CheckpointNames(model, stream, prefixes)
 
 
-def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe, gather: Gather | None = None) -> list[str]:
+def save_fp8_checkpoint(
+    model: nn.Module, save_directory: str, recipe, gather: Gather | None = None, write: bool = True
+) -> list[str]:
     """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
     under the names `save_pretrained` gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints
     store them) plus `config.json` with the recipe's `quantization_config` (what stays in high precision listed in
     `modules_to_not_convert`, in transformers' module names, and, where the checkpoint's differ, in
-    `ignored_layers` for vLLM). `gather` as in `iter_fp8_state`. Returns the checkpoint names of the FP8 weights."""
+    `ignored_layers` for vLLM). `gather` as in `iter_fp8_state`; `write=False` reads the stream and writes nothing
+    (ZeRO-3's gathers are collective: the ranks that do not write read it too). Returns the checkpoint names of the
+    FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
     if converted and model.fp8_recipe != recipe:
         # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
         raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
     pairs = list(iter_fp8_state(model, None if converted else recipe, gather))
     tensors = dict(CheckpointNames(model, [(n, t.shape, t.dtype) for n, t in pairs])(pairs))
+    saved = [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]
+    if not write:
+        return saved
     fp8_modules = {n.rsplit(".", 1)[0] for n, t in pairs if t.dtype == torch.float8_e4m3fn}
     fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
     kept = high_precision_modules(model, fp8_modules)
@@ -295,4 +305,4 @@ def save_fp8_checkpoint(model: nn.Module, save_directory: str, recipe, gather: G
     # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(save_directory)
-    return [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]
+    return saved

@@ -63,7 +63,7 @@ def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
     check_peft_supported(skeleton.get_base_model(), allow_dropout=not args.fp8_training)  # the checkpoint's names
 
 
-def check_parameters_unsharded(args: FP8GRPOConfig) -> None:
+def check_fsdp_refused(args: FP8GRPOConfig) -> None:
     """Refuses FSDP at start: each process quantizes and streams whole parameters to its sampler, and does not gather
     FSDP's shards (DeepSpeed ZeRO-1/2 shard optimizer state only; ZeRO-3's parameters are gathered for the stream)."""
     if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -74,9 +74,14 @@ def check_parameters_unsharded(args: FP8GRPOConfig) -> None:
         )
 
 
-def check_backend_runs_here(recipe, device: torch.device) -> None:
-    """Refuses a backend the training device cannot run before GRPOTrainer loads anything (models, vLLM) and before
-    the user's model is converted: nothing is changed by a failed start."""
+def check_backend_runs_here(recipe, device: torch.device, zero3: bool = False) -> None:
+    """Refuses a backend the training device (or DeepSpeed ZeRO-3, `zero3`) cannot run before GRPOTrainer loads
+    anything (models, vLLM) and before the user's model is converted: nothing is changed by a failed start."""
+    if recipe.backend == "te" and zero3:
+        raise RuntimeError(
+            "FP8 backend 'te' does not run under DeepSpeed ZeRO-3 yet (TransformerEngine's linears copy whole weights "
+            "and cache their FP8 copies): use backend='auto', which takes trl-fp8's kernels there, or ZeRO-2"
+        )
     if recipe.backend == "te":
         ok, why = te_recipe_status(recipe.pow2_scales)
         if not (ok and device.type == "cuda"):

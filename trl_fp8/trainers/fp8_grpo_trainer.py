@@ -19,14 +19,14 @@ from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8, fp8_modules
-from ..quant.export import iter_fp8_state, save_fp8_checkpoint, stream_checkpoint_names
+from ..quant.export import save_fp8_checkpoint, stream_checkpoint_names
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear
 from .checks import (
     check_backend_runs_here,
-    check_parameters_unsharded,
+    check_fsdp_refused,
     check_peft_config,
     check_peft_targets,
     warn_truncated_sampling,
@@ -88,13 +88,14 @@ class FP8GRPOTrainer(GRPOTrainer):
             check_peft_targets(model, kwargs["peft_config"], args)
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
-        check_parameters_unsharded(args)
+        check_fsdp_refused(args)
         warn_truncated_sampling(args)
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
             check_kv_cache_supported(model.config)
         recipe = args.resolved_fp8_recipe
         if args.fp8_training:
-            check_backend_runs_here(recipe, args.device)
+            zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+            check_backend_runs_here(recipe, args.device, zero3)
         engine = None
         if args.use_vllm and args.fp8_generation:
             # TRL builds its vLLM engine inside GRPOTrainer.__init__: it builds ours, with TRL's own arguments.
@@ -126,11 +127,14 @@ class FP8GRPOTrainer(GRPOTrainer):
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     # With PEFT: the frozen base linears in FP8, each LoRA layer on its merged weight in FP8.
-                    policy = convert_to_fp8(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe)
+                    zero3 = self._dist.is_zero3
+                    policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
+                    policy = convert_to_fp8(policy, recipe, sharded=zero3)
                     convert_lora_layers(policy)
-                    if self.ref_model is not None:
-                        convert_to_fp8(self.accelerator.unwrap_model(self.ref_model), recipe)
-                    if self._dist.is_zero3:  # before DeepSpeed's engine exists (built in `train()`)
+                    ref = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
+                    if ref is not None and getattr(ref, "fp8_recipe", None) is None:  # (DeepSpeed's: converted)
+                        convert_to_fp8(ref, recipe)
+                    if zero3:  # before DeepSpeed's engine exists (built in `train()`)
                         prepare_for_zero3(policy)
             finally:  # also when conversion fails: what it warned of before is not lost
                 for w in caught:
@@ -237,13 +241,10 @@ class FP8GRPOTrainer(GRPOTrainer):
         final = not _internal_call or getattr(self, "_saving_for_push", False)
         if self.args.fp8_save_format != "fp8" or not final:
             return super().save_model(output_dir, _internal_call=_internal_call)
-        policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
-        if self.args.should_save:
-            save_fp8_checkpoint(policy, output_dir, self.args.resolved_fp8_recipe, gather=self._gather)
-        elif self._gather is not None:  # ZeRO-3's gathers are collective: every rank walks the same stream
-            converted = getattr(policy, "fp8_recipe", None) is not None
-            for _ in iter_fp8_state(policy, None if converted else self.args.resolved_fp8_recipe, self._gather):
-                pass
+        if self.args.should_save or self._gather is not None:  # ZeRO-3's gathers are collective: every rank reads
+            policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
+            recipe, write = self.args.resolved_fp8_recipe, self.args.should_save
+            save_fp8_checkpoint(policy, output_dir, recipe, gather=self._gather, write=write)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

@@ -54,12 +54,13 @@ def reference_converted_before_deepspeed(trainer):
 
 
 def convert_reference(trainer, ref_model: nn.Module) -> None:
-    """The reference model in the learner's FP8 numerics, before DeepSpeed wraps it: converted as
-    `FP8GRPOTrainer.__init__` converts it when no DeepSpeed engine comes first (then a no-op)."""
+    """The reference model in the learner's FP8 numerics, before DeepSpeed wraps it (`FP8GRPOTrainer.__init__`
+    converts it afterwards when DeepSpeed does not wrap it, and leaves it alone here)."""
     if not trainer.args.fp8_training:
         return
+    zero3 = trainer._dist.is_zero3
     with warnings.catch_warnings():  # the policy's conversion warns of the same layers
         warnings.simplefilter("ignore")
-        convert_to_fp8(ref_model, trainer.args.resolved_fp8_recipe)
-    if trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        convert_to_fp8(ref_model, trainer.args.resolved_fp8_recipe, sharded=zero3)
+    if zero3:
         prepare_for_zero3(ref_model)
