@@ -25,6 +25,12 @@ FP8 + LoRA takes TRL's `ModelConfig` flags, with dropout off (the adapters train
     accelerate launch examples/grpo_fp8.py --config recipes/demo_cpu.yaml \
         --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules all-linear --lora_dropout 0
 
+On several processes, through an accelerate config: DeepSpeed ZeRO-2 (the recipes' layout) or ZeRO-3, e.g. on two CPU
+processes (`pip install "trl-fp8[deepspeed]"`):
+
+    accelerate launch --config_file examples/accelerate_configs/zero3_cpu.yaml examples/grpo_fp8.py \
+        --config recipes/demo_cpu.yaml --per_device_train_batch_size 64
+
 Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the YAML or overridden on the command line. An override
 replaces the YAML's value whole: `--fp8_recipe '{"pow2_scales": true}'` is that recipe, not the YAML's recipe with
 pow2 scales (repeat the YAML's other recipe fields in it).
