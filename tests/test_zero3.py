@@ -14,6 +14,7 @@ from trl_fp8.demo.make_model import build_tokenizer
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import FP8Linear
+from trl_fp8.quant.export import iter_hp_state
 from trl_fp8.quant.linear import full_shape
 from trl_fp8.quant.moe import FP8Experts
 from trl_fp8.trainers.checks import check_backend_runs_here
@@ -91,6 +92,29 @@ def test_the_export_gathers_each_module_with_the_weights_its_quantization_reads(
     assert log[0] == qkv  # the first FP8 module read: q_proj, with k's and v's weights
     assert max(len(g) for g in log) <= 3 * 2  # never more than one group's weights (and biases) at once
     assert all(p.numel() == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("stream", ["fp8_generation_only", "bf16_sampler"])
+def test_a_high_precision_learner_streams_the_same_under_gathering(stream):
+    """The paper's other two configurations under emulated ZeRO-3: a BF16 learner with an FP8 sampler (the recipe
+    quantizes the gathered weights in the stream) and a BF16 sampler (`iter_hp_state`) receive exactly the unsharded
+    stream, and every parameter is sharded again after."""
+    model = tiny_policy(build_tokenizer())
+
+    def read(gather=None):
+        if stream == "bf16_sampler":
+            return list(iter_hp_state(model, gather=gather))
+        return list(iter_fp8_state(model, FP8Recipe(), gather=gather))
+
+    expected = [(n, t.clone()) for n, t in read()]
+    assert any(t.dtype == torch.float8_e4m3fn for _, t in expected) == (stream == "fp8_generation_only")
+    whole, log = _shard(model.parameters()), []
+    got = read(_emulated_gather(whole, log))
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    for (name, t), (_, want) in zip(got, expected, strict=True):
+        assert torch.equal(_bits(t), _bits(want)), name
+        assert all(t.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for w in whole.values()), name
+    assert log and all(p.numel() == 0 for p in model.parameters())
 
 
 def test_a_model_built_sharded_converts_and_passes_the_vllm_layout_checks():

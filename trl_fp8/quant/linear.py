@@ -101,6 +101,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     - fprop: Y[M, N]  = X[M, K] · W[N, K]ᵀ     X in 1x128 blocks along K, W in 128x128 blocks
     - dgrad: dX[M, K] = dY[M, N] · W[N, K]     dY in 1x128 blocks along N; Wᵀ: W's FP8 bits and scales transposed
+      (passed in; for a DeepSpeed ZeRO-3 weight, `None`: W is saved and quantized again here, the same bits)
     - wgrad: dW[N, K] = dY[M, N]ᵀ · X[M, K]    dYᵀ and Xᵀ in 1x128 blocks along M, the token dim (TE's column-wise
       usage; X is quantized this way from the high-precision input in forward, never re-quantized from FP8)
 
@@ -135,15 +136,16 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors  # with `requantize`: W, None, ...
+        saved_w, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors  # saved_w: FP8 Wᵀ, or W to requantize
         backend, pow2 = ctx.backend, ctx.pow2_scales
         dy2d = dy.reshape(-1, dy.shape[-1])
         m = dy2d.shape[0]
         dx = dw = db = None
         dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = backend.quantize_act(dy2d, pow2, ctx.needs_input_grad[1])
         if ctx.needs_input_grad[0]:
-            if ctx.requantize:  # W, gathered again
-                q, s, _ = backend.quantize_weight(w_fp8_t.detach(), ctx.w_block, pow2, "", check_finite=False)
+            w_fp8_t = saved_w
+            if ctx.requantize:  # W itself, which DeepSpeed gathered again for this backward
+                q, s, _ = backend.quantize_weight(saved_w.detach(), ctx.w_block, pow2, "", check_finite=False)
                 w_fp8_t, w_scale_inv_t = (q.t().contiguous(), s.t().contiguous()) if q.is_cuda else (q.t(), s.t())
             # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
             w_block_t = (ctx.w_block[1], ctx.w_block[0])
