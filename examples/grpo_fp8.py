@@ -31,6 +31,11 @@ processes (`pip install "trl-fp8[deepspeed]"`):
     accelerate launch --config_file examples/accelerate_configs/zero3_cpu.yaml examples/grpo_fp8.py \
         --config recipes/demo_cpu.yaml --per_device_train_batch_size 64
 
+or FSDP2, on GPUs (accelerate runs FSDP configs on accelerators only):
+
+    accelerate launch --config_file examples/accelerate_configs/fsdp2_8gpu.yaml examples/grpo_fp8.py \
+        --config <your recipe>.yaml
+
 Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the YAML or overridden on the command line. An override
 replaces the YAML's value whole: `--fp8_recipe '{"pow2_scales": true}'` is that recipe, not the YAML's recipe with
 pow2 scales (repeat the YAML's other recipe fields in it).
@@ -109,6 +114,8 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         peft_config=get_peft_config(model_args),
     )
     trainer.train()
+    if trainer.is_fsdp_enabled:  # one checkpoint, gathered from FSDP's shards, that loads anywhere (as TRL's scripts)
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)
 
     if trainer.accelerator.is_main_process:

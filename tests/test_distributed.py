@@ -100,29 +100,37 @@ def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model):
     assert len(weights) == (8 if model == "moe" else 14) and all(n in empty for n in weights), empty
     assert model != "moe" or all(f"model.layers.{i}.mlp.experts.gate_up_proj" in empty for i in (0, 1))
     assert not ranks[0]["ref_grouped"]
-    linears = [f"model.layers.{i}.{m}_proj" for i in (0, 1) for m in ("self_attn.q", "self_attn.k", "self_attn.v")]
     # (transformers makes the MoE blocks leaves of its own: `...mlp`)
     lora_layers = [n for n in ranks[0]["zero3_leaves"] if n.endswith("_proj")]
     assert len(lora_layers) == (14 if model == "lora" else 0), ranks[0]["zero3_leaves"]
-    for name, p0 in ranks[0]["params"].items():
+    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "zero3", tmp_path / "ddp", flags, model)
+
+
+def assert_a_sharded_run_computes_what_ddp_does(ranks, output_dir, ddp_dir, flags, model: str) -> None:
+    """The checks a sharded run (ZeRO-3, FSDP2) of the test script with `flags` (`--beta --save_fp8`) in `output_dir`
+    passes, against DDP's run of the same flags (launched here, in `ddp_dir`): identical ranks; samplers and the FP8
+    checkpoint holding the learner's FP8 weights bit for bit; the first step exactly DDP's, the gradient norm to 1e-5
+    (summed in another order: DeepSpeed reduces in fp32 buckets, FSDP reduce-scatters); every trained tensor moved."""
+    params = ranks[0]["params"]
+    for name, p0 in params.items():
         assert torch.equal(p0, ranks[1]["params"][name]), f"{name} differs between the ranks"
+    linears = [f"model.layers.{i}.{m}_proj" for i in (0, 1) for m in ("self_attn.q", "self_attn.k", "self_attn.v")]
     for rank in ranks:
         assert all(f"{n}.weight_scale_inv" in rank["learner_fp8"] for n in linears)
         assert any(".experts.3.down_proj." in n for n in rank["learner_fp8"]) == (model == "moe")
         for name, t in rank["learner_fp8"].items():
             assert torch.equal(rank["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name
-    saved = load_file(tmp_path / "zero3" / "fp8" / "model.safetensors")  # save_model(), fp8_save_format="fp8"
+    saved = load_file(output_dir / "fp8" / "model.safetensors")  # save_model(), fp8_save_format="fp8"
     for name, t in ranks[0]["learner_fp8"].items():
         assert torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
-    ddp = launch_two_processes(SCRIPT, tmp_path / "ddp", *flags)
+    ddp = launch_two_processes(SCRIPT, ddp_dir, *flags)
     first, first_ddp = ([log for log in r[0]["log_history"] if "loss" in log][0] for r in (ranks, ddp))
     assert first["kl"] == 0.0  # the reference model computes what the policy computes, in FP8
     for key in ("loss", "kl", "entropy", "reward", "sampling/token_mult_prob_error"):
         assert first[key] == first_ddp[key], key
-    # The same gradients, summed in another order (DeepSpeed reduces in fp32 buckets): every parameter's counts.
     assert first["grad_norm"] == pytest.approx(first_ddp["grad_norm"], rel=1e-5)
-    trained = [n for n in ranks[0]["params"] if "lora_" in n or model != "lora"]
-    assert trained and all(not torch.equal(ranks[0]["params"][n], ranks[0]["initial"][n]) for n in trained)
+    trained = [n for n in params if "lora_" in n or model != "lora"]
+    assert trained and all(not torch.equal(params[n], ranks[0]["initial"][n]) for n in trained)
 
 
 def test_two_process_ddp_trains_fp8_lora_with_identical_adapters_and_samplers(tmp_path):

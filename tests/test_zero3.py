@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3's contracts with the FP8 modules and the export stream, in one process. ZeRO-3 itself runs in
+"""DeepSpeed ZeRO-3's contracts with the FP8 modules and the export stream, in one process (and FSDP2's, where they
+are the same). ZeRO-3 itself runs in
 tests/test_distributed.py (two processes, against DDP); here its partitioning is stood in for the way DeepSpeed marks
 and empties a parameter: a `ds_id` attribute, `ds_shape`, and an empty tensor outside a gather (one process cannot
 shard anything)."""
@@ -14,6 +15,7 @@ from trl_fp8.demo.make_model import build_tokenizer
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import FP8Linear
+from trl_fp8.quant.convert import mark_sharded
 from trl_fp8.quant.export import iter_hp_state
 from trl_fp8.quant.linear import full_shape
 from trl_fp8.quant.moe import FP8Experts
@@ -49,15 +51,21 @@ def _emulated_gather(whole: dict, log: list):
     return gather
 
 
-def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward():
-    """A ZeRO-3 weight is whole only while DeepSpeed gathers it (its module's forward, then its backward): FP8Linear
-    keeps no quantization of it (a whole FP8 copy of every layer is what sharding avoids) and saves W, not Wᵀ in FP8,
-    for the backward, which quantizes it again. Outputs and gradients are bit for bit those of the cached path."""
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
+def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward(sharding):
+    """A ZeRO-3 weight is whole only while DeepSpeed gathers it (its module's forward, then its backward), an FSDP2
+    one while FSDP unshards its unit (the whole tensor bears no mark: the trainer marks the module, `mark_sharded`):
+    FP8Linear keeps no quantization of it (a whole FP8 copy of every layer is what sharding avoids) and saves W, not
+    Wᵀ in FP8, for the backward, which quantizes it again. Outputs and gradients are bit for bit those of the cached
+    path."""
     torch.manual_seed(0)
     cached, sharded = (FP8Linear(256, 384, bias=True) for _ in range(2))
     sharded.load_state_dict(cached.state_dict())
     x = torch.randn(3, 5, 256)
-    sharded.weight.ds_id, sharded.weight.ds_shape = 1, torch.Size([384, 256])  # as gathered: the module "runs"
+    if sharding == "zero3":
+        sharded.weight.ds_id, sharded.weight.ds_shape = 1, torch.Size([384, 256])  # as gathered: the module "runs"
+    else:
+        mark_sharded(sharded)
     outs = []
     for layer in (cached, sharded):
         xi = x.clone().requires_grad_()
@@ -69,8 +77,9 @@ def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward():
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
     assert cached._w_cache is not None and sharded._w_cache is None
-    sharded.weight.data = torch.empty(0)  # sharded again: conversion and selection read the whole shape
-    assert full_shape(sharded.weight) == (384, 256)
+    if sharding == "zero3":
+        sharded.weight.data = torch.empty(0)  # sharded again: conversion and selection read the whole shape
+        assert full_shape(sharded.weight) == (384, 256)
 
 
 def test_the_export_gathers_each_module_with_the_weights_its_quantization_reads():
@@ -126,7 +135,7 @@ def test_a_model_built_sharded_converts_and_passes_the_vllm_layout_checks():
     assert sum(isinstance(m, FP8Experts) for m in model.modules()) == 2
     assert all(m.num_experts == 4 for m in model.modules() if isinstance(m, FP8Experts))
     check_vllm_fp8_layers(model, FP8Recipe(), tp_size=1)
-    with pytest.raises(RuntimeError, match="'te' does not run under DeepSpeed ZeRO-3"):
+    with pytest.raises(RuntimeError, match=r"'te' does not run on sharded parameters \(ZeRO-3, FSDP2\)"):
         convert_to_fp8(tiny_qwen3_moe(build_tokenizer()), FP8Recipe(backend="te"), sharded=True)
-    with pytest.raises(RuntimeError, match="'te' does not run under DeepSpeed ZeRO-3.*backend='auto'"):
-        check_backend_runs_here(FP8Recipe(backend="te"), torch.device("cuda"), zero3=True)
+    with pytest.raises(RuntimeError, match=r"'te' does not run on sharded parameters.*backend='auto'"):
+        check_backend_runs_here(FP8Recipe(backend="te"), torch.device("cuda"), sharded=True)

@@ -1,30 +1,38 @@
 """Run by tests/test_distributed.py under `accelerate launch --num_processes 2`: two FP8 GRPO steps with DDP (gloo),
-or with DeepSpeed ZeRO-2 or ZeRO-3 when the accelerate config says so, and the FP8 KV cache; then each rank writes
+or with DeepSpeed ZeRO-2 or ZeRO-3, or FSDP2 (tests/scripts/fsdp2_cpu.yaml), when the accelerate config says so, and
+the FP8 KV cache; then each rank writes
 its final parameters, its sampler's Q/K/V scales and FP8 weights and the learner's to `<output_dir>/rank{r}.pt`.
 `--lora`: FP8 + LoRA; `--beta`: a KL term (the reference model loaded from the policy's path, as TRL does); `--moe`:
 a tiny Qwen3-MoE; `--save_fp8`: `save_model()` with `fp8_save_format="fp8"` to `<output_dir>/fp8`;
 `--gradient_checkpointing`: TRL's default, which the other tests turn off."""
 
+import os
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
 from peft import LoraConfig
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import holds_its_own_fp8_weight, tiny_grpo_args, tiny_policy  # noqa: E402
+from fsdp_on_cpu import allow_fsdp_on_cpu  # noqa: E402
 
 from trl_fp8 import FP8GRPOTrainer, iter_fp8_state  # noqa: E402
 from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe  # noqa: E402
+from trl_fp8.generation.gather import learner_gather  # noqa: E402
 from trl_fp8.quant import FP8Linear  # noqa: E402
 from trl_fp8.quant.adapters import unwrap_peft  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
+from trl_fp8.quant.lora import FP8LoraLinear  # noqa: E402
+from trl_fp8.quant.moe import FP8Experts  # noqa: E402
 
 
 def gathered(model):
@@ -34,7 +42,31 @@ def gathered(model):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
+@contextmanager
+def counting_unshards():
+    """Counts FSDP2's unit all-gathers (`FSDPModule.unshard`) in the block: `[count]`."""
+    count, unshard = [0], FSDPModule.unshard
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return unshard(self, *args, **kwargs)
+
+    FSDPModule.unshard = counted
+    try:
+        yield count
+    finally:
+        FSDPModule.unshard = unshard
+
+
+def whole(params):
+    """FSDP2: each parameter whole (a collective), on every rank."""
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for n, p in params}
+
+
 def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc: bool):
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
+    if fsdp:
+        allow_fsdp_on_cpu()
     tokenizer = build_tokenizer()
     save_format = "fp8" if save_fp8 else "bf16"
     args = tiny_grpo_args(
@@ -67,22 +99,26 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
         n: b.clone() for n, b in engine.sampler.named_buffers() if n.endswith(("k_scale", "v_scale", "q_scale"))
     }
     # One more calibration on this rank's latest batch: what this rank measures alone, and what all ranks agree on.
-    local = calibrate_kv_scales(policy.get_decoder(), *engine.calibration_batch)
+    local = calibrate_kv_scales(trainer.model if fsdp else policy.get_decoder(), *engine.calibration_batch)
     engine.calibrate_kv_scales()
     kv_agreed = engine._kv_scale_invs.clone()
-    engine.sync_weights()  # the sampler last synced before the final optimizer step
+    with counting_unshards() as unshards:
+        engine.sync_weights()  # the sampler last synced before the final optimizer step
     if save_fp8:
         trainer.save_model(str(Path(output_dir) / "fp8"))  # every rank: ZeRO-3 gathers as it writes
     empty = [n for n, p in policy.named_parameters() if p.numel() == 0]  # ZeRO-3: sharded between uses
     ref = None if trainer.ref_model is None else trainer.accelerator.unwrap_model(trainer.ref_model)
     ref_grouped = ref is not None and any(m._group() is not None for m in ref.modules() if isinstance(m, FP8Linear))
     zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    fp8_linears = [m for m in unwrap_peft(policy).modules() if isinstance(m, FP8Linear)]
+    dtensors = [n for n, p in policy.named_parameters() if isinstance(p, DTensor)]  # FSDP2: sharded between uses
     with gathered(policy) if zero3 else nullcontext():
-        params = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        params = whole(policy.named_parameters())
         # Each FP8 layer's cached weight is the quantization of the master weight it holds after the last optimizer
         # step (DeepSpeed writes the updated weights into the parameters without moving their version counters).
-        fresh = [holds_its_own_fp8_weight(m) for m in unwrap_peft(policy).modules() if isinstance(m, FP8Linear)]
-        learner_fp8 = {n: t.clone() for n, t in iter_fp8_state(engine.learner()) if "_proj." in n}
+        fresh = [] if fsdp else [holds_its_own_fp8_weight(m) for m in fp8_linears]
+    with learner_gather(trainer.accelerator, trainer.model) as gather:
+        learner_fp8 = {n: t.clone() for n, t in iter_fp8_state(engine.learner(), gather=gather) if "_proj." in n}
     torch.save(
         {
             "params": params,
@@ -99,6 +135,17 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
             "empty_outside_a_gather": empty,
             "ref_grouped": ref_grouped,
             "zero3_leaves": [n for n, m in policy.named_modules() if getattr(m, "_z3_leaf", False)],
+            "fsdp": trainer.is_fsdp_enabled,
+            "dtensors": dtensors,
+            "fp8_caches": sum(m._w_cache is not None for m in fp8_linears),
+            "other_fp8_caches": sum(
+                bool(m._cache) if isinstance(m, FP8Experts) else m._fp8_cache is not None
+                for m in policy.modules()
+                if isinstance(m, FP8Experts | FP8LoraLinear)
+            ),
+            "sync_unshards": unshards[0],
+            "fsdp_units": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
+            "marked_sharded": sum(getattr(m, "fp8_sharded", False) for m in fp8_linears),
             "log_history": trainer.state.log_history,
             "sampler_fp8": {n: t.clone() for n, t in engine.sampler.state_dict().items() if "_proj." in n},
             "learner_fp8": learner_fp8,

@@ -1,5 +1,5 @@
 """Run by tests/test_vllm_ranks.py under `accelerate launch --num_processes 2` (vLLM only): two FP8 GRPO steps with
-DDP (or DeepSpeed ZeRO-3, as the accelerate config says), the FP8 KV cache and one colocated vLLM engine per rank,
+DDP (or DeepSpeed ZeRO-3, or FSDP2, as the accelerate config says), the FP8 KV cache and one colocated vLLM engine per rank,
 as on a node of GPUs; then each rank writes what its engine serves (weights, K/V/Q scales), its learner's
 parameters and its export to `<output_dir>/rank{r}.pt`. With
 `--tp`, the two ranks' engines are one engine in tensor parallelism (`vllm_tensor_parallel_size=2`), on a tiny Qwen3
@@ -15,12 +15,15 @@ from contextlib import nullcontext
 
 import torch
 from accelerate import PartialState
+from fsdp_on_cpu import allow_fsdp_on_cpu
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer
 from vllm_two_steps import _emulate_vllm_fp8_kernels_on_cpu
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, iter_fp8_state
 from trl_fp8.demo.families import tiny
 from trl_fp8.demo.task import DEMO_MODEL_DIR, digit_count_reward, make_dataset
+from trl_fp8.generation.gather import learner_gather
 
 
 def gathered(model, zero3: bool):
@@ -36,6 +39,8 @@ def main(output_dir: str, tp: bool) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _emulate_vllm_fp8_kernels_on_cpu()
+        if os.environ.get("ACCELERATE_USE_FSDP", "false") == "true":
+            allow_fsdp_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = str(DEMO_MODEL_DIR)
     if tp:  # k_proj and v_proj 256 rows: 128 per rank (the demo model's 128 would split into half blocks)
@@ -58,12 +63,24 @@ def main(output_dir: str, tp: bool) -> None:
     policy = trainer.accelerator.unwrap_model(trainer.model)
     zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
     with gathered(policy, zero3):
-        learner = {n: p.detach().cpu().clone() for n, p in policy.named_parameters()}
-        export = {n: t.cpu().clone() for n, t in iter_fp8_state(policy)}
+        learner = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu().clone()
+            for n, p in policy.named_parameters()
+        }
+    # What a forward quantizes (under FSDP2 with bf16, the unit's bf16 copy of the fp32 master weight): q_proj's.
+    q_proj, seen = policy.get_submodule("model.layers.0.self_attn.q_proj"), {}
+    hook = q_proj.register_forward_pre_hook(lambda m, args: seen.setdefault("q", m.quantized_weight()) and None)
+    with torch.no_grad():
+        trainer.model(input_ids=torch.tensor([[1, 2, 3, 4]], device=trainer.accelerator.device))
+    hook.remove()
+    with learner_gather(trainer.accelerator, trainer.model) as gather:
+        export = {n: t.cpu().clone() for n, t in iter_fp8_state(policy, gather=gather)}
     torch.save(
         {
             "world_size": trainer.accelerator.num_processes,
             "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else 0,
+            "fsdp": trainer.is_fsdp_enabled,
+            "forward_q_proj": [t.cpu().clone() for t in seen["q"]],
             "log_history": trainer.state.log_history,
             "learner": learner,
             "export": export,

@@ -13,6 +13,7 @@ from ..quant.blockwise import FP8_DTYPE
 from ..quant.export import iter_fp8_state, iter_hp_state
 from ..quant.kv_cache import KV_SCALE_SUFFIXES, calibrate_kv_scales, check_kv_cache_supported
 from ..quant.linear import weights_epoch
+from .gather import learner_gather
 
 
 def attention_module_names(model: nn.Module) -> list[str]:
@@ -63,9 +64,9 @@ class LearnerStream:
         self._attn_names = attention_module_names(self.learner()) if kv_cache else []
         self._synced_versions: tuple | None = None
         self.last_sync: dict[str, float] | None = None
-        # DeepSpeed ZeRO-3 shards the learner's parameters: the stream gathers each module's while reading it.
-        dist = DistributedBackend(accelerator)
-        self._gather = dist.gather_params if dist.is_zero3 else None
+        # DeepSpeed ZeRO-3 and FSDP2 shard the learner's parameters: the stream gathers each module's while reading
+        # it (`learner_gather`); FSDP2 also needs its outermost module to run first (KV calibration).
+        self._fsdp2 = DistributedBackend(accelerator).fsdp_version == 2
 
     def learner(self) -> nn.Module:
         """The learner as a transformers model, in the checkpoint's module names (no DDP or PEFT wrapper)."""
@@ -80,11 +81,12 @@ class LearnerStream:
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:
         """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
         policy = self.learner()
-        if not self.fp8:
-            return list(iter_hp_state(policy, gather=self._gather))
-        # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
-        converted = getattr(policy, "fp8_recipe", None) is not None
-        pairs = list(iter_fp8_state(policy, None if converted else self.recipe, gather=self._gather))
+        with learner_gather(self.accelerator, self.model) as gather:
+            if not self.fp8:
+                return list(iter_hp_state(policy, gather=gather))
+            # A converted learner sends its own cached quantization; an unconverted one is quantized by the recipe.
+            converted = getattr(policy, "fp8_recipe", None) is not None
+            pairs = list(iter_fp8_state(policy, None if converted else self.recipe, gather=gather))
         if self.kv_cache:
             if self._kv_scale_invs is None:
                 raise RuntimeError("FP8 KV cache: no Q/K/V scales yet; sync_weights() calibrates them first")
@@ -100,8 +102,10 @@ class LearnerStream:
         start = time.perf_counter()
         policy = self.learner()
         ids, mask = (t.to(policy.device) for t in self.calibration_batch)
+        # FSDP2 unshards the embeddings in its outermost module's forward, which must run first.
+        model = self.model if self._fsdp2 else policy.get_decoder()
         scales = calibrate_kv_scales(
-            policy.get_decoder(), ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin
+            model, ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin
         )
         if self.accelerator.num_processes > 1:  # every rank's sampler must hold the same scales
             scales = self.accelerator.reduce(scales.to(self.accelerator.device), reduction="max").cpu()

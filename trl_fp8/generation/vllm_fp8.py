@@ -32,6 +32,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from ..quant.checkpoint_names import checkpoint_module_names
 from ..quant.export import stream_checkpoint_names, stream_nbytes
 from ..quant.kv_cache import check_kv_cache_supported
+from .gather import learner_gather
 from .reference import refuse_reserved
 from .stream import LearnerStream, refuse_nonfinite
 from .vllm_layout import check_vllm_fp8_layers
@@ -308,9 +309,10 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             )
         check_architecture(policy, vllm_architectures(policy.name_or_path, self.vllm_llm_kwargs))
         # vLLM builds the text model config.json names: its tensors without the multimodal checkpoint's prefix.
-        self.checkpoint_names = stream_checkpoint_names(
-            policy, self.recipe, self._attn_names, prefixes=False, gather=self._gather
-        )
+        with learner_gather(self.accelerator, self.model) as gather:
+            self.checkpoint_names = stream_checkpoint_names(
+                policy, self.recipe, self._attn_names, prefixes=False, gather=gather
+            )
         overrides = fp8_llm_kwargs(
             policy,
             self.recipe,

@@ -163,9 +163,9 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
         recipe (`FP8Recipe`, `dict` or path, *optional*):
             The recipe; defaults to `FP8Recipe()`.
         sharded (`bool`, *optional*, defaults to `False`):
-            Whether the parameters are (or will be) sharded by DeepSpeed ZeRO-3: TransformerEngine's linears, which
-            copy the weights they are given and cache their own FP8 weights, are then left out (`auto` takes
-            trl-fp8's linears; `te` raises).
+            Whether the parameters are (or will be) sharded by DeepSpeed ZeRO-3 or FSDP2: TransformerEngine's
+            linears, which copy the weights they are given and cache their own FP8 weights, are then left out
+            (`auto` takes trl-fp8's linears; `te` raises), and the FP8 modules are marked (`mark_sharded`).
 
     Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
     Converting an already converted model again with the same recipe is a no-op; with another recipe, or a model
@@ -253,8 +253,22 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
         from .siblings import group_siblings
 
         group_siblings(model)
+    if sharded:
+        mark_sharded(model)
     model.fp8_recipe = recipe
     return model
+
+
+def mark_sharded(model: nn.Module) -> None:
+    """Marks `model`'s FP8 linears and experts as holding sharded weights (`trl_fp8.quant.linear.is_sharded`):
+    they then quantize their weight at each use, never cache it, and save W rather than its FP8 transpose for the
+    backward. FSDP2 needs the mark (the whole weight it swaps in for a forward is a plain tensor); DeepSpeed ZeRO-3's
+    parameters carry their own (`ds_id`)."""
+    from .moe import FP8Experts
+
+    for m in model.modules():
+        if isinstance(m, FP8Linear | FP8Experts):
+            m.fp8_sharded = True
 
 
 def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -270,8 +284,8 @@ def _te_linear_for(model: nn.Module, recipe, sharded: bool):
         return None
     if sharded:
         if recipe.backend == "te":
-            raise RuntimeError("FP8 backend 'te' does not run under DeepSpeed ZeRO-3 yet; use backend='auto'")
-        logger.info("trl-fp8: backend='auto' leaves TransformerEngine out under DeepSpeed ZeRO-3")
+            raise RuntimeError("FP8 backend 'te' does not run on sharded parameters (ZeRO-3, FSDP2) yet; use 'auto'")
+        logger.info("trl-fp8: backend='auto' leaves TransformerEngine out on sharded parameters (ZeRO-3, FSDP2)")
         return None
     ok, why = te_recipe_status(recipe.pow2_scales)
     on_gpu = any(p.is_cuda for p in model.parameters())

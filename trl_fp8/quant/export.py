@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .adapters import effective_weight, fp8_weight, lora_layers
 from .blockwise import quantize_blockwise
@@ -41,9 +42,10 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
     (an `FP8Recipe`, a dict of its fields or a recipe path, as `convert_to_fp8` takes) also quantizes the linears it
     selects that are still high precision; without it only converted modules are sent in FP8.
 
-    `gather` materializes sharded parameters (DeepSpeed ZeRO-3's `GatheredParameters`, given a list of them): each
-    module's parameters are gathered while it is read, one module at a time, and what is yielded is copied out of
-    the gathered storage, which returns to its shards right after."""
+    `gather` materializes sharded parameters, given a list of them (DeepSpeed ZeRO-3's `GatheredParameters`, or
+    FSDP2's unit `unshard()`, which swaps whole tensors into the modules): each module's parameters are gathered
+    while it is read, one module at a time, and what is yielded is copied out of the gathered storage, which
+    returns to its shards right after."""
     to_quantize: set[str] = set()
     experts_to_quantize: set[str] = set()
     if recipe is not None:
@@ -73,17 +75,20 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
         done.update(n for n, _ in pairs)
         if fused_experts:
             done.update(f"{mod_name}.{which}" for which in ("gate_up_proj", "down_proj"))
-    rest = [(n, p) for n, p in model.named_parameters() if n not in done and not n.startswith(inside_adapted)]
-    yield from _as_they_are(rest, gather)
+    rest = [n for n, _ in model.named_parameters() if n not in done and not n.startswith(inside_adapted)]
+    yield from _as_they_are(model, rest, gather)
     yield from _persistent_buffers(model)
 
 
-def _as_they_are(named: list[tuple[str, nn.Parameter]], gather: Gather | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named`'s parameters as they are, each module's gathered at once (one collective per module, not per tensor)."""
-    for _, group in itertools.groupby(named, key=lambda pair: pair[0].rpartition(".")[0]):
-        group = list(group)
-        with _gathering(gather, [p for _, p in group]):
-            pairs = _copied([(n, p.detach()) for n, p in group], gather)
+def _as_they_are(model: nn.Module, names: list[str], gather: Gather | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters `names` as they are, each module's gathered at once (one collective per module, not per
+    tensor), and read from the module inside the gather (FSDP2 swaps whole tensors in for the parameters)."""
+    for prefix, group in itertools.groupby(names, key=lambda name: name.rpartition(".")[0]):
+        module = model.get_submodule(prefix)
+        leaves = [name.rpartition(".")[2] for name in group]
+        with _gathering(gather, [getattr(module, leaf) for leaf in leaves]):
+            pairs = [(f"{prefix}.{leaf}" if prefix else leaf, getattr(module, leaf).detach()) for leaf in leaves]
+            pairs = _copied(pairs, gather)
         yield from pairs
 
 
@@ -171,7 +176,9 @@ def iter_hp_state(model: nn.Module, gather: Gather | None = None) -> Iterator[tu
                 pairs.append((f"{name}.bias", layer.get_base_layer().bias.detach()))
             pairs = _copied(pairs, gather)
         yield from pairs
-    yield from _as_they_are([(n, p) for n, p in model.named_parameters() if not n.startswith(inside_adapted)], gather)
+    yield from _as_they_are(
+        model, [n for n, _ in model.named_parameters() if not n.startswith(inside_adapted)], gather
+    )
     yield from _persistent_buffers(model)
 
 
@@ -188,8 +195,11 @@ def _gathering(gather: Gather | None, params: Iterable[nn.Parameter]) -> context
 
 
 def _copied(pairs: list[tuple[str, torch.Tensor]], gather: Gather | None) -> list[tuple[str, torch.Tensor]]:
-    # Gathered storage returns to its shards when the gather ends: what leaves it must be a copy.
-    return pairs if gather is None else [(n, t.clone()) for n, t in pairs]
+    # Gathered storage returns to its shards when the gather ends: what leaves it must be a copy. A `DTensor` no
+    # gather made whole (a parameter outside every FSDP2 unit) is read whole: a collective of its own.
+    if gather is None:
+        return pairs
+    return [(n, t.full_tensor() if isinstance(t, DTensor) else t.clone()) for n, t in pairs]
 
 
 @torch.no_grad()

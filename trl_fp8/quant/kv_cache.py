@@ -193,9 +193,10 @@ def calibrate_kv_scales(
     percentile: float = 99.9,
     margin: float = 1.05,
 ) -> torch.Tensor:
-    """Runs `decoder` (the base model, without its LM head) on a calibration batch and returns the (num_layers, 3)
-    fp32 tensor of K, V and Q dequant multipliers (after RoPE, as the cache and the attention kernel see them), from
-    the padding-free tokens only. The forward runs in eval mode (the training modes are restored after)."""
+    """Runs `decoder` (the base model, without its LM head; or a causal LM, or its PEFT wrapper, whose LM head then
+    runs on the last position only) on a calibration batch and returns the (num_layers, 3) fp32 tensor of K, V and Q
+    dequant multipliers (after RoPE, as the cache and the attention kernel see them), from the padding-free tokens
+    only. The forward runs in eval mode (the training modes are restored after)."""
     recorder = KVAmaxRecorder()
     # A measurement takes no dropout; and transformers < 5.24 drops the cache of a training model under gradient
     # checkpointing even without grad (TRL's default), which would leave nothing recorded.
@@ -203,7 +204,10 @@ def calibrate_kv_scales(
     decoder.eval()
     try:
         with _recording_queries(decoder) as query_amax:
-            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{CACHE_KWARG: recorder})
+            kwargs = {CACHE_KWARG: recorder}
+            if getattr(decoder, "get_output_embeddings", lambda: None)() is not None:
+                kwargs["logits_to_keep"] = 1
+            decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
     finally:
         for module, training in modes.items():
             module.training = training

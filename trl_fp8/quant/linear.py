@@ -52,16 +52,19 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def is_sharded(p: torch.Tensor) -> bool:
-    """Whether `p` is a DeepSpeed ZeRO-3 parameter (`ds_id`), whole only while gathered: while its module runs,
-    or inside `deepspeed.zero.GatheredParameters`. FP8 modules do not cache its quantization, which would keep a
-    whole FP8 copy of every layer, what sharding avoids (quantizing anew gives the same bits)."""
-    return hasattr(p, "ds_id")
+def is_sharded(p: torch.Tensor, module: nn.Module | None = None) -> bool:
+    """Whether `p` is whole only while gathered: a DeepSpeed ZeRO-3 parameter (`ds_id`: whole while its module runs,
+    or inside `deepspeed.zero.GatheredParameters`), or a weight of a `module` that `mark_sharded` marked (FSDP2
+    swaps a whole plain tensor, which bears no mark, into the module while its unit runs). FP8 modules do not cache
+    its quantization, which would keep a whole FP8 copy of every layer, what sharding avoids (quantizing anew gives
+    the same bits)."""
+    return hasattr(p, "ds_id") or getattr(module, "fp8_sharded", False)
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
-    """`p`'s shape, whole: a sharded DeepSpeed ZeRO-3 parameter holds an empty tensor outside a gather."""
-    return p.ds_shape if is_sharded(p) else p.shape
+    """`p`'s shape, whole: a sharded DeepSpeed ZeRO-3 parameter holds an empty tensor outside a gather (an FSDP2
+    `DTensor` gives its whole shape itself)."""
+    return p.ds_shape if hasattr(p, "ds_id") else p.shape
 
 
 def version_of(x: torch.Tensor) -> int | None:
@@ -101,7 +104,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     - fprop: Y[M, N]  = X[M, K] · W[N, K]ᵀ     X in 1x128 blocks along K, W in 128x128 blocks
     - dgrad: dX[M, K] = dY[M, N] · W[N, K]     dY in 1x128 blocks along N; Wᵀ: W's FP8 bits and scales transposed
-      (passed in; for a DeepSpeed ZeRO-3 weight, `None`: W is saved and quantized again here, the same bits)
+      (passed in; for a sharded weight (ZeRO-3, FSDP2), `None`: W is saved and quantized again here, the same bits)
     - wgrad: dW[N, K] = dY[M, N]ᵀ · X[M, K]    dYᵀ and Xᵀ in 1x128 blocks along M, the token dim (TE's column-wise
       usage; X is quantized this way from the high-precision input in forward, never re-quantized from FP8)
 
@@ -124,9 +127,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        # Without Wᵀ (a DeepSpeed ZeRO-3 weight) W itself is saved: DeepSpeed gathers it again for this module's
-        # backward, where it is quantized anew (the same bits), so no whole FP8 copy of every layer's weight waits
-        # from forward to backward.
+        # Without Wᵀ (a sharded weight: ZeRO-3, FSDP2) W itself is saved: DeepSpeed or FSDP gathers it again for
+        # this module's backward, where it is quantized anew (the same bits), so no whole FP8 copy of every layer's
+        # weight waits from forward to backward.
         ctx.requantize = w_fp8_t is None
         ctx.save_for_backward(weight if ctx.requantize else w_fp8_t, w_scale_inv_t, xt_fp8, xt_scale_inv)
         ctx.backend, ctx.pow2_scales, ctx.w_block = backend, pow2_scales, w_block
@@ -144,7 +147,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         dy_fp8, dy_scale_inv, dyt_fp8, dyt_scale_inv = backend.quantize_act(dy2d, pow2, ctx.needs_input_grad[1])
         if ctx.needs_input_grad[0]:
             w_fp8_t = saved_w
-            if ctx.requantize:  # W itself, which DeepSpeed gathered again for this backward
+            if ctx.requantize:  # W itself, which DeepSpeed (or FSDP) gathered again for this backward
                 q, s, _ = backend.quantize_weight(saved_w.detach(), ctx.w_block, pow2, "", check_finite=False)
                 w_fp8_t, w_scale_inv_t = (q.t().contiguous(), s.t().contiguous()) if q.is_cuda else (q.t(), s.t())
             # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
@@ -234,8 +237,8 @@ class FP8Linear(nn.Linear):
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(weight_fp8 (N, K), weight_scale_inv (ceil(N / block_rows), ceil(K / block_cols)))`, cached until the
         weight changes: an optimizer step, an in-place write (version counter), a new tensor or
-        `mark_weights_changed()` (writes through `.data` bypass the version counter); never for a DeepSpeed ZeRO-3
-        weight (`is_sharded`). The cache itself is returned:
+        `mark_weights_changed()` (writes through `.data` bypass the version counter); never for a sharded weight
+        (`is_sharded`: ZeRO-3, FSDP2). The cache itself is returned:
         read it, never write it. Raises a `ValueError` naming the parameter if the weight holds NaN or inf."""
         q, s, _, _ = self._quantized(check_finite=True)
         return q, s
@@ -252,7 +255,7 @@ class FP8Linear(nn.Linear):
         if (group := self._group()) is not None:
             return group.member_weight(self._sibling_index, check_finite)
         w = self.weight
-        sharded = is_sharded(w)
+        sharded = is_sharded(w, self)
         key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
         entry = self._w_cache
         if sharded or entry is None or entry[0] != key:
@@ -291,7 +294,7 @@ class FP8Linear(nn.Linear):
         if (group := self._group()) is not None:
             return group.forward(self, x)
         w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t = self._quantized(check_finite=False)
-        if is_sharded(self.weight):
+        if is_sharded(self.weight, self):
             w_fp8_t = w_scale_inv_t = None
         return _FP8LinearFunction.apply(
             autocast_input(x),

@@ -112,7 +112,7 @@ class FP8LoraLinear(LoraLinear):
         """`(Q, scale_inv, Qᵀ, scale_invᵀ)` of the merged weight, made once per optimizer step, with `FP8Linear`'s
         deferred NaN/inf check."""
         base, adapters = self.get_base_layer(), self._adapters()
-        key, sharded = self._fp8_key(adapters), is_sharded(base.weight)
+        key, sharded = self._fp8_key(adapters), is_sharded(base.weight, base)
         entry = self._fp8_cache
         if sharded or entry is None or entry[0] != key:
             w = merged_weight(self, adapters)
@@ -126,7 +126,7 @@ class FP8LoraLinear(LoraLinear):
             if not bool(torch.isfinite(entry[5]).all()):  # one host sync per export, none per forward
                 _raise_nonfinite(merged_weight(self, adapters), f"{base.fp8_name} + LoRA")
             entry = (*entry[:5], None)
-        if not sharded:  # as FP8Linear's: no cache of a ZeRO-3 weight
+        if not sharded:  # as FP8Linear's: no cache of a sharded weight
             self._fp8_cache = entry
         return entry[1:5]
 

@@ -126,7 +126,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         NaN/inf check (a host sync) is FP8Linear's too: deferred from the forward passes to the next call with
         `check_finite` (every export and sampler sync), which names the Parameter."""
         w = getattr(self, which)
-        key, sharded = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w)
+        key, sharded = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w, self)
         entry = self._cache.get(which)
         if sharded or entry is None or entry[0] != key:
             # Every expert's rows are whole 128-row blocks (conversion checks), so the experts stacked as one
@@ -140,7 +140,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         if check_finite and amax is not None:
             check_amax(amax, w, f"{self.fp8_name}.{which}")
             entry = (key, q, s, None)
-        if not sharded:  # as FP8Linear's: no cache of a ZeRO-3 weight
+        if not sharded:  # as FP8Linear's: no cache of a sharded weight
             self._cache[which] = entry
         return q, s
 
@@ -148,7 +148,7 @@ class FP8Experts(ExpertsGate, nn.Module):
     def quantized_with_t(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`quantized(which)` plus the transposed codes (E, K, N), K-major for the grouped dgrad; once per step."""
         q, s = self.quantized(which, check_finite=False)
-        if is_sharded(getattr(self, which)):
+        if is_sharded(getattr(self, which), self):
             return q, s, q.transpose(1, 2).contiguous()
         key = self._cache[which][0]
         cached = self._cache.get(f"{which}_t")

@@ -152,7 +152,7 @@ class FP8SiblingGroup:
         """The stacked `(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`, quantized once per step,
         with `FP8Linear`'s deferred NaN/inf check."""
         ws = [m.weight for m in self.members]
-        key, sharded = self._key(), any(is_sharded(w) for w in ws)
+        key, sharded = self._key(), any(is_sharded(m.weight, m) for m in self.members)
         entry = self._cache
         if sharded or entry is None or entry[0] != key:
             w = torch.cat([w.detach() for w in ws])
@@ -168,7 +168,7 @@ class FP8SiblingGroup:
                     if not bool(torch.isfinite(m.weight).all()):
                         _raise_nonfinite(m.weight, m.fp8_name)
             entry = (*entry[:5], None)
-        if not sharded:  # as FP8Linear's: no cache of a ZeRO-3 weight
+        if not sharded:  # as FP8Linear's: no cache of a sharded weight
             self._cache = entry
         return entry[1:5]
 

@@ -63,24 +63,35 @@ def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
     check_peft_supported(skeleton.get_base_model(), allow_dropout=not args.fp8_training)  # the checkpoint's names
 
 
-def check_fsdp_refused(args: FP8GRPOConfig) -> None:
-    """Refuses FSDP at start: each process quantizes and streams whole parameters to its sampler, and does not gather
-    FSDP's shards (DeepSpeed ZeRO-1/2 shard optimizer state only; ZeRO-3's parameters are gathered for the stream)."""
-    if args.fsdp or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+def check_fsdp_supported(args: FP8GRPOConfig) -> int | None:
+    """The FSDP version `TrainingArguments` (`fsdp`, `fsdp_config["version"]`, 2 by default) or `accelerate launch`
+    (`ACCELERATE_USE_FSDP`, `FSDP_VERSION`, 1 by default) ask for, or `None`. Refuses FSDP1 at start: its flat
+    parameters are views the FP8 modules cannot read whole between forwards (FSDP2 gathers each unit for the
+    stream); FSDP2 is supported."""
+    if args.fsdp:
+        version = int((args.fsdp_config or {}).get("version", 2))
+    elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+    else:
+        return None
+    if version != 2:
         raise NotImplementedError(
-            "FP8GRPOTrainer does not support FSDP yet: the FP8 weight sync streams whole parameters and does not "
-            "gather FSDP's shards. Use DeepSpeed ZeRO-2 (examples/accelerate_configs/zero2_8gpu.yaml), as the "
-            "recipes do, ZeRO-3, or plain data parallelism."
+            f"FP8GRPOTrainer supports FSDP2, not FSDP{version}: set `fsdp_version: 2` in the accelerate config "
+            "(examples/accelerate_configs/fsdp2_8gpu.yaml) or fsdp_config={'version': 2}; or use DeepSpeed ZeRO-2 "
+            "(examples/accelerate_configs/zero2_8gpu.yaml), as the recipes do, or ZeRO-3."
         )
+    return version
 
 
-def check_backend_runs_here(recipe, device: torch.device, zero3: bool = False) -> None:
-    """Refuses a backend the training device (or DeepSpeed ZeRO-3, `zero3`) cannot run before GRPOTrainer loads
-    anything (models, vLLM) and before the user's model is converted: nothing is changed by a failed start."""
-    if recipe.backend == "te" and zero3:
+def check_backend_runs_here(recipe, device: torch.device, sharded: bool = False) -> None:
+    """Refuses a backend the training device (or sharded parameters, `sharded`: DeepSpeed ZeRO-3, FSDP2) cannot run
+    before GRPOTrainer loads anything (models, vLLM) and before the user's model is converted: nothing is changed by
+    a failed start."""
+    if recipe.backend == "te" and sharded:
         raise RuntimeError(
-            "FP8 backend 'te' does not run under DeepSpeed ZeRO-3 yet (TransformerEngine's linears copy whole weights "
-            "and cache their FP8 copies): use backend='auto', which takes trl-fp8's kernels there, or ZeRO-2"
+            "FP8 backend 'te' does not run on sharded parameters (DeepSpeed ZeRO-3, FSDP2) yet (TransformerEngine's "
+            "linears copy whole weights and cache their FP8 copies): use backend='auto', which takes trl-fp8's "
+            "kernels there, or ZeRO-2"
         )
     if recipe.backend == "te":
         ok, why = te_recipe_status(recipe.pow2_scales)

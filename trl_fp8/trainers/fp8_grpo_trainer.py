@@ -13,6 +13,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
+from ..generation.gather import learner_gather
 from ..generation.reference import ReferenceEngine, left_pad
 from ..generation.vllm_colocate import restore_module_call
 from ..generation.vllm_fp8 import FP8VLLMGeneration
@@ -26,13 +27,13 @@ from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear
 from .checks import (
     check_backend_runs_here,
-    check_fsdp_refused,
+    check_fsdp_supported,
     check_peft_config,
     check_peft_targets,
     warn_truncated_sampling,
 )
 from .fp8_grpo_config import FP8GRPOConfig
-from .zero3 import prepare_for_zero3, reference_converted_before_deepspeed
+from .sharded import prepare_for_fsdp2, prepare_for_zero3, reference_converted_before_wrapping, sharding
 
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,10 @@ class FP8GRPOTrainer(GRPOTrainer):
     - `save_model`: with `fp8_save_format="fp8"`, writes the block-FP8 checkpoint of the export stream; always writes
       the recipe (`fp8_recipe.json`) beside the weights.
 
-    Under DeepSpeed ZeRO-3 the sibling linears run alone, FP8 LoRA layers are gathered with their base layers, and
-    the reference model is converted before DeepSpeed wraps it (`trl_fp8.trainers.zero3`); the stream to the
-    sampler gathers one module at a time. FSDP is refused.
+    On sharded parameters (DeepSpeed ZeRO-3, FSDP2) the sibling linears run alone, no FP8 weight is cached, and the
+    reference model is converted before DeepSpeed or FSDP wraps it (`trl_fp8.trainers.sharded`); under ZeRO-3 FP8
+    LoRA layers are gathered with their base layers. The stream to the sampler gathers one module at a time (FSDP2:
+    one unit). FSDP1 is refused.
 
     The loss, the IS correction, the optimizer and the sync schedule are TRL's, unchanged.
     """
@@ -88,14 +90,14 @@ class FP8GRPOTrainer(GRPOTrainer):
             check_peft_targets(model, kwargs["peft_config"], args)
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
-        check_fsdp_refused(args)
+        fsdp_version = check_fsdp_supported(args)
         warn_truncated_sampling(args)
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
             check_kv_cache_supported(model.config)
         recipe = args.resolved_fp8_recipe
         if args.fp8_training:
             zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
-            check_backend_runs_here(recipe, args.device, zero3)
+            check_backend_runs_here(recipe, args.device, sharded=zero3 or fsdp_version is not None)
         engine = None
         if args.use_vllm and args.fp8_generation:
             # TRL builds its vLLM engine inside GRPOTrainer.__init__: it builds ours, with TRL's own arguments.
@@ -107,7 +109,7 @@ class FP8GRPOTrainer(GRPOTrainer):
                 kv_scale_margin=args.fp8_kv_scale_margin,
                 vllm_llm_kwargs=args.vllm_llm_kwargs,
             )
-        with _engine_class(engine), reference_converted_before_deepspeed(self):
+        with _engine_class(engine), reference_converted_before_wrapping(self):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         if args.use_vllm:  # before any forward of the learner (ours and TRL's BF16 engine alike)
             restore_module_call(self.model, self.ref_model)
@@ -116,9 +118,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
             check_peft_supported(policy, allow_dropout=not args.fp8_training)
         if args.fp8_save_format == "fp8":  # refused before conversion, rather than when the run ends
-            stream_checkpoint_names(
-                unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe, gather=self._gather
-            )
+            with learner_gather(self.accelerator, self.model) as gather:
+                stream_checkpoint_names(unwrap_peft(self.accelerator.unwrap_model(self.model)), recipe, gather=gather)
         if args.fp8_training:
             # Conversion warns about what stays in high precision; those warnings point at the user's line that
             # built the trainer rather than at this file (any other warning keeps its own place).
@@ -127,15 +128,18 @@ class FP8GRPOTrainer(GRPOTrainer):
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     # With PEFT: the frozen base linears in FP8, each LoRA layer on its merged weight in FP8.
-                    zero3 = self._dist.is_zero3
+                    how = sharding(self)
                     policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
-                    policy = convert_to_fp8(policy, recipe, sharded=zero3)
+                    policy = convert_to_fp8(policy, recipe, sharded=how is not None)
                     convert_lora_layers(policy)
                     ref = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
-                    if ref is not None and getattr(ref, "fp8_recipe", None) is None:  # (DeepSpeed's: converted)
+                    if ref is not None and getattr(ref, "fp8_recipe", None) is None:  # (wrapped ones: converted)
                         convert_to_fp8(ref, recipe)
-                    if zero3:  # before DeepSpeed's engine exists (built in `train()`)
+                    # Before DeepSpeed's engine or FSDP's units exist (built in `train()`).
+                    if how == "zero3":
                         prepare_for_zero3(policy)
+                    elif how == "fsdp2":
+                        prepare_for_fsdp2(policy)
             finally:  # also when conversion fails: what it warned of before is not lost
                 for w in caught:
                     if str(w.message).startswith("trl-fp8:"):
@@ -179,11 +183,6 @@ class FP8GRPOTrainer(GRPOTrainer):
         self.use_vllm = True
         self.vllm_mode = "fp8_reference"  # neither "colocate" nor "server": no vLLM object behind the slot
         self._last_loaded_step = -1
-
-    @property
-    def _gather(self):
-        """TRL's gather of DeepSpeed ZeRO-3's sharded parameters, to read whole weights; `None` without ZeRO-3."""
-        return self._dist.gather_params if self._dist.is_zero3 else None
 
     def train(self, *args, **kwargs):
         # TRL refits the sampler when `global_step` differs from the step it last synced at; a second `train()`
@@ -241,10 +240,11 @@ class FP8GRPOTrainer(GRPOTrainer):
         final = not _internal_call or getattr(self, "_saving_for_push", False)
         if self.args.fp8_save_format != "fp8" or not final:
             return super().save_model(output_dir, _internal_call=_internal_call)
-        if self.args.should_save or self._gather is not None:  # ZeRO-3's gathers are collective: every rank reads
+        if self.args.should_save or sharding(self) is not None:  # gathers are collective: every rank reads
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
             recipe, write = self.args.resolved_fp8_recipe, self.args.should_save
-            save_fp8_checkpoint(policy, output_dir, recipe, gather=self._gather, write=write)
+            with learner_gather(self.accelerator, self.model) as gather:
+                save_fp8_checkpoint(policy, output_dir, recipe, gather=gather, write=write)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

@@ -1,0 +1,81 @@
+"""FSDP2 (`fully_shard`) on two CPU processes through `accelerate launch`, against DDP. accelerate takes FSDP only on
+accelerator devices, so the test script lifts that one gate (tests/scripts/fsdp_on_cpu.py); FSDP2 then shards, gathers
+and reduces for real, over gloo. The KV-scale calibration FSDP2 needs (through the outermost module) runs here too."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import launch_two_processes, tiny_policy
+from peft import LoraConfig, get_peft_model
+from test_distributed import SCRIPT, assert_a_sharded_run_computes_what_ddp_does
+from transformers import AutoModelForCausalLM
+
+from trl_fp8 import convert_to_fp8
+from trl_fp8.demo.make_model import build_tokenizer
+from trl_fp8.demo.task import DEMO_MODEL_DIR
+from trl_fp8.quant.kv_cache import calibrate_kv_scales
+
+
+FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
+
+
+@pytest.mark.parametrize("model", ["dense", "lora", "moe"])
+def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
+    """FSDP2 (TRL's fsdp2.yaml settings: a unit per decoder layer, embeddings and head in units of their own) shards
+    every parameter between uses. Each FP8 module quantizes the weight FSDP unshards for it and caches none (sibling
+    linears run alone), the reference model is converted before TRL's `prepare_fsdp` wraps it, and the sync (and
+    `save_model`'s FP8 checkpoint) unshards one unit at a time, each once for its linears. The first step computes
+    exactly what DDP computes (the KL to the reference model 0), the ranks end identical, and each sampler and the
+    checkpoint hold the learner's FP8 weights bit for bit."""
+    extra = {"dense": [], "lora": ["--lora", "--gradient_checkpointing"], "moe": ["--moe", "--gradient_checkpointing"]}
+    flags = ["--beta", "--save_fp8", *extra[model]]
+    ranks = launch_two_processes(SCRIPT, tmp_path / "fsdp2", *flags, config_file=FSDP2_CPU)
+    params = ranks[0]["params"]
+    for rank in ranks:
+        assert rank["fsdp"] and rank["world_size"] == 2
+        # Sharded between uses, after the sync and the save too: every parameter a DTensor, no FP8 weight cached.
+        assert sorted(rank["dtensors"]) == sorted(params)
+        assert rank["marked_sharded"] == (8 if model == "moe" else 14) and rank["fp8_caches"] == 0
+        assert rank["other_fp8_caches"] == 0 and not rank["ref_grouped"]
+        # Two decoder layers and the embeddings / head: a unit is gathered for its linears, again for its norms.
+        assert rank["fsdp_units"] >= 3 and 0 < rank["sync_unshards"] <= 2 * rank["fsdp_units"], rank["sync_unshards"]
+    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "fsdp2", tmp_path / "ddp", flags, model)
+
+
+@pytest.mark.parametrize("wrapper", ["causal_lm", "peft"])
+def test_kv_calibration_through_the_outermost_module_measures_what_the_decoder_does(wrapper):
+    """FSDP2 unshards the embeddings in its outermost module's forward, which must run before any other: calibration
+    then runs the causal LM (or its PEFT wrapper), its head on the last position only, and measures the same scales
+    as through the decoder alone, bit for bit."""
+    tokenizer = build_tokenizer()
+    model = convert_to_fp8(tiny_policy(tokenizer))
+    ids = torch.randint(0, len(tokenizer), (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    expected = calibrate_kv_scales(model.get_decoder(), ids, mask)
+    outer = model if wrapper == "causal_lm" else get_peft_model(model, LoraConfig(target_modules=["q_proj"]))
+    assert torch.equal(calibrate_kv_scales(outer, ids, mask), expected)
+
+
+def test_the_example_trains_under_fsdp2_and_saves_a_whole_checkpoint(tmp_path):
+    """`examples/grpo_fp8.py` under TRL's FSDP2 settings (`SHARDED_STATE_DICT`) on two processes: it trains, and its
+    final `save_model` writes one checkpoint gathered from the shards (the script sets `FULL_STATE_DICT` first, as
+    TRL's scripts do), which transformers loads whole, with the trained weights."""
+    root = SCRIPT.parents[2]
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CPU),
+        str(SCRIPT.with_name("fsdp_on_cpu.py")), str(root / "examples" / "grpo_fp8.py"),
+        "--config", str(root / "recipes" / "demo_cpu.yaml"), "--output_dir", str(tmp_path), "--max_steps", "2",
+        "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "token_mult_prob_error: mean 1.0000" in result.stdout  # one FP8 grid, sampler and learner
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)
+    start = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR)
+    moved = [n for n, p in saved.named_parameters() if not torch.equal(p, start.get_parameter(n))]
+    assert len(moved) == len(list(start.parameters()))  # every tensor whole, and trained
