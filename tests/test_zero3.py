@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from conftest import tiny_policy
+from test_lora import fp8_lora_llama
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.make_model import build_tokenizer
@@ -80,6 +81,36 @@ def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward(sh
     if sharding == "zero3":
         sharded.weight.data = torch.empty(0)  # sharded again: conversion and selection read the whole shape
         assert full_shape(sharded.weight) == (384, 256)
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
+def test_an_fp8_lora_layer_on_a_sharded_weight_merges_and_quantizes_again_for_its_backward(sharding):
+    """An FP8 LoRA layer whose base weight is sharded keeps no FP8 copy of its merged weight, neither cached nor
+    saved for the backward, which merges and quantizes it again (from the weights DeepSpeed or FSDP gathers again):
+    outputs and every gradient are bit for bit those of the cached path."""
+    layers = []
+    for marked in (False, True):
+        model = fp8_lora_llama()
+        layer = model.base_model.model.model.layers[1].mlp.down_proj
+        if marked and sharding == "zero3":
+            base = layer.get_base_layer()
+            base.weight.ds_id, base.weight.ds_shape = 1, base.weight.shape  # as gathered: the module "runs"
+        elif marked:
+            mark_sharded(model)
+        layers.append(layer)
+    x = torch.randn(2, 5, 512)
+    outs = []
+    for layer in layers:
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+        fp8_saved = any(t.dtype == torch.float8_e4m3fn for t in saved)
+        assert fp8_saved == (layer is layers[0]), "only the cached path keeps Q(W + s·B·A)ᵀ for the backward"
+        y.square().sum().backward()
+        outs.append((y, xi.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    assert layers[0]._fp8_cache is not None and layers[1]._fp8_cache is None
 
 
 def test_the_export_gathers_each_module_with_the_weights_its_quantization_reads():

@@ -4,7 +4,8 @@ the FP8 KV cache; then each rank writes
 its final parameters, its sampler's Q/K/V scales and FP8 weights and the learner's to `<output_dir>/rank{r}.pt`.
 `--lora`: FP8 + LoRA; `--beta`: a KL term (the reference model loaded from the policy's path, as TRL does); `--moe`:
 a tiny Qwen3-MoE; `--save_fp8`: `save_model()` with `fp8_save_format="fp8"` to `<output_dir>/fp8`;
-`--gradient_checkpointing`: TRL's default, which the other tests turn off."""
+`--gradient_checkpointing`: TRL's default, which the other tests turn off (FSDP's own activation checkpointing is the
+accelerate config's)."""
 
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from peft import LoraConfig
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -27,8 +29,8 @@ from trl_fp8.demo.make_model import build_tokenizer  # noqa: E402
 from trl_fp8.demo.task import digit_count_reward as digit_reward  # noqa: E402
 from trl_fp8.demo.task import make_dataset  # noqa: E402
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe  # noqa: E402
-from trl_fp8.generation.gather import learner_gather  # noqa: E402
-from trl_fp8.quant import FP8Linear  # noqa: E402
+from trl_fp8.generation.gather import FSDP2Gather, activation_wrappers_set_aside, learner_gather  # noqa: E402
+from trl_fp8.quant import FP8Linear, quantize_blockwise  # noqa: E402
 from trl_fp8.quant.adapters import unwrap_peft  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 from trl_fp8.quant.lora import FP8LoraLinear  # noqa: E402
@@ -56,6 +58,20 @@ def counting_unshards():
         yield count
     finally:
         FSDPModule.unshard = unshard
+
+
+def fsdp2_gather_states(model, layers) -> list[list[bool]]:
+    """Which of the two decoder layers are whole: in an `FSDP2Gather` reading layer 0, then layer 1, then closed."""
+    gather, states = FSDP2Gather(model), []
+
+    def whole():
+        return [not any(isinstance(p, DTensor) for p in layer.parameters()) for layer in layers]
+
+    for layer in layers:
+        with gather(list(layer.parameters())):
+            states.append(whole())
+    gather.close()
+    return [*states, whole()]
 
 
 def whole(params):
@@ -111,14 +127,23 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
     ref_grouped = ref is not None and any(m._group() is not None for m in ref.modules() if isinstance(m, FP8Linear))
     zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
     fp8_linears = [m for m in unwrap_peft(policy).modules() if isinstance(m, FP8Linear)]
-    dtensors = [n for n, p in policy.named_parameters() if isinstance(p, DTensor)]  # FSDP2: sharded between uses
-    with gathered(policy) if zero3 else nullcontext():
+    wrapped = sum(isinstance(m, ActivationWrapper) for m in policy.modules())  # FSDP's activation checkpointing
+    with activation_wrappers_set_aside(policy):  # parameters under the checkpoint's names
+        dtensors = [n for n, p in policy.named_parameters() if isinstance(p, DTensor)]  # FSDP2: sharded between uses
+    with gathered(policy) if zero3 else nullcontext(), activation_wrappers_set_aside(policy):
         params = whole(policy.named_parameters())
         # Each FP8 layer's cached weight is the quantization of the master weight it holds after the last optimizer
         # step (DeepSpeed writes the updated weights into the parameters without moving their version counters).
         fresh = [] if fsdp else [holds_its_own_fp8_weight(m) for m in fp8_linears]
     with learner_gather(trainer.accelerator, trainer.model) as gather:
         learner_fp8 = {n: t.clone() for n, t in iter_fp8_state(engine.learner(), gather=gather) if "_proj." in n}
+    if fsdp:  # FSDP2 caches nothing: the stream's FP8 weights are the quantization of the master weights it holds
+        for name in learner_fp8:
+            if name.endswith(".weight") and name in params:  # (with LoRA, the stream sends merged weights)
+                q, s = quantize_blockwise(params[name], (128, 128))
+                fresh.append(bool(torch.equal(learner_fp8[name].view(torch.uint8), q.view(torch.uint8))))
+                fresh[-1] &= bool(torch.equal(learner_fp8[f"{name}_scale_inv"], s))
+        gather_states = fsdp2_gather_states(trainer.model, unwrap_peft(policy).get_decoder().layers)
     torch.save(
         {
             "params": params,
@@ -137,6 +162,8 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
             "zero3_leaves": [n for n, m in policy.named_modules() if getattr(m, "_z3_leaf", False)],
             "fsdp": trainer.is_fsdp_enabled,
             "dtensors": dtensors,
+            "activation_wrappers": wrapped,
+            "gather_states": gather_states if fsdp else None,
             "fp8_caches": sum(m._w_cache is not None for m in fp8_linears),
             "other_fp8_caches": sum(
                 bool(m._cache) if isinstance(m, FP8Experts) else m._fp8_cache is not None

@@ -5,6 +5,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from trl.distributed import DistributedBackend
 
 
@@ -21,19 +22,28 @@ class FSDP2Gather:
     Args:
         model (`nn.Module`):
             The model FSDP wrapped, outermost (with PEFT, the `PeftModel`: its outermost unit owns the embeddings).
+            Its units are resharded first (FSDP keeps some whole after a forward: the outermost one, and
+            accelerate's unit of the final norm and the head), so that every parameter is found by its shard.
             Parameters of no unit (the model not wrapped yet) are read as they are.
     """
 
     def __init__(self, model: nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
-        self._owner: dict[int, nn.Module] = {}  # parameter (sharded, or whole once unsharded here) -> its unit
+        self._owner: dict[int, nn.Module] = {}  # parameter (its shard, or its whole tensor once seen) -> its unit
         self._modules: dict[int, list[nn.Module]] = {}  # unit -> the modules whose own parameters it holds
         self._whole: list[nn.Module] = []
+        units: dict[int, nn.Module] = {}  # one per FSDP state: `fully_shard([norm, lm_head])` makes one of two modules
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else module
+                units.setdefault(id(state), module).reshard()  # local: frees the whole copy, if any
         stack: list[tuple[nn.Module, nn.Module | None]] = [(model, None)]
         while stack:
             module, unit = stack.pop()
-            unit = module if isinstance(module, FSDPModule) else unit
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else module
+                unit = units[id(state)]
             if unit is not None:
                 self._modules.setdefault(id(unit), []).append(module)
                 for p in module.parameters(recurse=False):
@@ -42,21 +52,21 @@ class FSDP2Gather:
 
     @contextmanager
     def __call__(self, params: Iterable[nn.Parameter]) -> Iterator[None]:
-        # A parameter of no known unit is whole already (FSDP keeps its outermost unit whole after a forward without
-        # grad) and keeps whatever is whole as it is.
+        # A parameter of no known unit is whole already and keeps whatever is whole as it is.
         units = list({id(u): u for p in params if (u := self._owner.get(id(p))) is not None}.values())
         if units:
             for unit in self._whole:
                 if all(unit is not u for u in units):
                     unit.reshard()
-            self._whole = [u for u in self._whole if any(u is unit for unit in units)]
+            self._whole = units
         for unit in units:
-            if all(unit is not u for u in self._whole):
+            modules = self._modules[id(unit)]
+            # Looked at, not remembered: FSDP may have resharded it meanwhile (a `state_dict()` reshards every unit).
+            if any(isinstance(p, DTensor) for m in modules for p in m.parameters(recurse=False)):
                 unit.unshard()
-                self._whole.append(unit)
                 # The whole tensors now in the modules are the unit's too (FSDP2 keeps them from one unshard to the
                 # next): a module read again while its unit is whole names them.
-                for module in self._modules[id(unit)]:
+                for module in modules:
                     for p in module.parameters(recurse=False):
                         self._owner[id(p)] = unit
         yield
@@ -69,17 +79,44 @@ class FSDP2Gather:
 
 
 @contextmanager
+def activation_wrappers_set_aside(model: nn.Module) -> Iterator[None]:
+    """While this context lasts, `model`'s activation-checkpoint wrappers (torch's `checkpoint_wrapper`, which
+    accelerate puts around each decoder layer for FSDP's `activation_checkpointing`) are replaced by the modules they
+    wrap, so that names read as the checkpoint's (`...layers.0.self_attn...`, not
+    `...layers.0._checkpoint_wrapped_module.self_attn...`). Nothing runs meanwhile; they are put back after."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, ActivationWrapper) and "_checkpoint_wrapped_module" not in name:  # outermost only
+            inner = module
+            while isinstance(inner, ActivationWrapper):
+                inner = inner._checkpoint_wrapped_module
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, inner)
+            swapped.append((parent, child, module))
+    try:
+        yield
+    finally:
+        for parent, child, module in reversed(swapped):
+            setattr(parent, child, module)
+
+
+@contextmanager
 def learner_gather(accelerator, model: nn.Module) -> Iterator:
     """The `gather` that reads the learner's whole weights while this context lasts: TRL's for DeepSpeed ZeRO-3, an
-    `FSDP2Gather` of `model` (the trainer's model, outermost) for FSDP2, else `None` (the weights are whole)."""
+    `FSDP2Gather` of `model` (the trainer's model, outermost) for FSDP2, else `None` (the weights are whole).
+    Meanwhile `model` reads in its checkpoint's names (`activation_wrappers_set_aside`)."""
     dist = DistributedBackend(accelerator)
-    if dist.is_zero3:
-        yield dist.gather_params
-    elif dist.fsdp_version == 2:
-        gather = FSDP2Gather(model)
-        try:
-            yield gather
-        finally:
-            gather.close()
-    else:
-        yield None
+    with activation_wrappers_set_aside(model):
+        if dist.is_zero3:
+            yield dist.gather_params
+        elif dist.fsdp_version == 2:
+            gather = FSDP2Gather(model)
+            try:
+                yield gather
+            finally:
+                gather.close()
+        else:
+            yield None

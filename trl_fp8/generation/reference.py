@@ -28,9 +28,11 @@ from ..quant.w8a8 import W8A8Linear
 from .stream import LearnerStream, refuse_nonfinite
 
 
-def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dtype) -> nn.Module:
-    """An empty copy of `policy`'s architecture in `dtype`, with the recipe's linears as `W8A8Linear` (and fused
-    MoE experts as per-expert `W8A8Experts`) if `fp8`."""
+def build_sampler_model(
+    policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dtype, device: torch.device | str | None = None
+) -> nn.Module:
+    """An empty copy of `policy`'s architecture in `dtype`, on `device` (by default `policy`'s), with the recipe's
+    linears as `W8A8Linear` (and fused MoE experts as per-expert `W8A8Experts`) if `fp8`."""
     config = copy.deepcopy(policy.config)
     config.use_cache = (
         True  # the learner's config may have it off (gradient checkpointing); a sampler decodes with one
@@ -38,7 +40,9 @@ def build_sampler_model(policy: nn.Module, recipe, *, fp8: bool, dtype: torch.dt
     # Under DeepSpeed ZeRO-3 transformers builds every model partitioned (`zero.Init`); the sampler is whole, its own.
     with set_zero3_state():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.to(policy.device if hasattr(policy, "device") else "cpu").eval().requires_grad_(False)
+    if device is None:
+        device = policy.device if hasattr(policy, "device") else "cpu"
+    model.to(device).eval().requires_grad_(False)
     if fp8:
         for name in select_fp8_linears(model, recipe)[0]:
             parent_name, _, child = name.rpartition(".")
@@ -175,7 +179,8 @@ class ReferenceEngine(LearnerStream):
             kv_scale_percentile=kv_scale_percentile,
             kv_scale_margin=kv_scale_margin,
         )
-        self.sampler = build_sampler_model(self.learner(), recipe, fp8=fp8, dtype=dtype)
+        # On the training device: DeepSpeed and FSDP move the learner there only when training starts.
+        self.sampler = build_sampler_model(self.learner(), recipe, fp8=fp8, dtype=dtype, device=accelerator.device)
         if cast_lm_head_to_fp32:
             cast_head_to_fp32(self.sampler)
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), pad_token_id

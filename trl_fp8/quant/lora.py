@@ -30,22 +30,29 @@ class _FP8LoraFunction(torch.autograd.Function):
     scalings folded into B (M tokens, K in, N out, r the adapters' summed rank):
 
     - fprop: Y[M, N]  = X[M, K] · Q(W + B·A)[N, K]ᵀ      FP8: X in 1x128 blocks along K, the merged weight in 128x128
-    - dgrad: dX[M, K] = dY[M, N] · Q(W + B·A)[N, K]      FP8: dY in 1x128 blocks along N
+    - dgrad: dX[M, K] = dY[M, N] · Q(W + B·A)[N, K]      FP8: dY in 1x128 blocks along N (for a sharded W: merged and
+      quantized again here, from the weights DeepSpeed or FSDP gathers again for the backward, the same bits)
     - the adapters, in high precision (fp32 accumulation) from the saved X and dY, instead of a wgrad:
       dB[N, r] = dY[M, N]ᵀ · (X·Aᵀ)[M, r]    and    dA[r, K] = (dY·B)[M, r]ᵀ · X[M, K]
 
     The merged weight's FP8 codes and scales are passed in (the layer's cache), so the sampler's are these very ones.
+    Given `layer` (a sharded base weight), its transposes are not kept for the backward, which asks the layer again.
     """
 
     @staticmethod
-    def forward(ctx, x, lora_a, lora_b, bias, w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t, w_block, backend, pow2):
+    def forward(
+        ctx, x, lora_a, lora_b, bias, w_fp8, w_scale_inv, w_fp8_t, w_scale_inv_t, w_block, backend, pow2, layer=None
+    ):
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
         x_fp8, x_scale_inv, _, _ = _SharedActivation.quantize(backend, x, x2d, pow2, False)
         y = backend.gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, w_block, x.dtype)[:m]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(w_fp8_t, w_scale_inv_t, x2d, lora_a, lora_b)
+        # A sharded weight's FP8 transpose is not kept from forward to backward: a whole FP8 copy of every layer.
+        ctx.layer = layer
+        keep = (None, None) if layer is not None else (w_fp8_t, w_scale_inv_t)
+        ctx.save_for_backward(*keep, x2d, lora_a, lora_b)
         ctx.backend, ctx.pow2_scales, ctx.w_block, ctx.x_shape = backend, pow2, w_block, x.shape
         ctx.has_bias = bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -57,6 +64,8 @@ class _FP8LoraFunction(torch.autograd.Function):
         m = dy2d.shape[0]
         dx = da = db = dbias = None
         if ctx.needs_input_grad[0]:
+            if ctx.layer is not None:
+                _, _, w_fp8_t, w_scale_inv_t = ctx.layer._quantized(check_finite=False)
             dy_fp8, dy_scale_inv, _, _ = ctx.backend.quantize_act(dy2d, ctx.pow2_scales, False)
             w_block_t = (ctx.w_block[1], ctx.w_block[0])
             dx = ctx.backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv_t, w_block_t, x2d.dtype)
@@ -69,7 +78,7 @@ class _FP8LoraFunction(torch.autograd.Function):
                 da = (dy_hp @ lora_b).t() @ x_hp  # [r, M] @ [M, K] -> [r, K]
         if ctx.has_bias and ctx.needs_input_grad[3]:
             dbias = dy2d.sum(0)
-        return dx, da, db, dbias, None, None, None, None, None, None, None
+        return dx, da, db, dbias, None, None, None, None, None, None, None, None
 
 
 def check_mergeable(layer: LoraLinear, name: str, *, allow_dropout: bool = False) -> None:
@@ -162,6 +171,7 @@ class FP8LoraLinear(LoraLinear):
             base.weight_block_size,
             base._backend_for(x.device),
             base.pow2_scales,
+            self if is_sharded(base.weight, base) else None,
         )
 
     # PEFT merges through `weight.data`, which no version counter sees: the FP8 caches must be told.
