@@ -11,6 +11,7 @@ from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.tiny_moe import tiny_deepseek_v3, tiny_qwen3_moe
 from trl_fp8.quant import quantize_blockwise
 from trl_fp8.quant.backends import emulated
+from trl_fp8.quant.convert import mark_sharded
 from trl_fp8.quant.moe import FP8Experts
 from trl_fp8.quant.moe_grouped import group_by_expert
 
@@ -175,6 +176,43 @@ def test_grouped_experts_match_the_per_expert_path(build):
     assert syncs[0] == 0 and syncs[1] > experts.num_experts
     for (got, ref), what in zip(zip(*outputs, strict=True), ("y", "dx", "d gate_up", "d down"), strict=True):
         assert sqnr_db(ref, got) > ACCUMULATION_DB - 10, what  # -10: two chained FP8 layers, requantized between
+
+
+@pytest.mark.parametrize("path", ["grouped", "per_expert"])
+def test_sharded_experts_quantize_again_for_the_backward(path):
+    """Experts whose weights FSDP2 shards (`mark_sharded`) keep no FP8 copy of them, neither cached nor saved for the
+    backward, which quantizes them again (from the weights FSDP gathers again): the layer's output and every
+    gradient are bit for bit those of the cached path."""
+    model = tiny_qwen3_moe().to(DEVICE)
+    convert_to_fp8(model, FP8Recipe(backend="triton"))
+    experts = next(m for m in model.modules() if isinstance(m, FP8Experts))
+    sharded = copy.deepcopy(experts)
+    mark_sharded(sharded)
+    torch.manual_seed(1)
+    x = torch.randn(200, experts.gate_up_proj.shape[-1], device=DEVICE)
+    top_k_index = torch.randint(0, experts.num_experts, (200, 2), device=DEVICE)
+    top_k_weights = torch.rand(200, 2, device=DEVICE)
+    outputs, fp8_saved = [], []
+    for module in (experts, sharded):
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append((t.dtype, t.dim()))
+            return t
+
+        xi = x.clone().requires_grad_()
+        run = module.forward if path == "grouped" else module.forward_per_expert
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = run(xi, top_k_index, top_k_weights)
+        y.square().sum().backward()
+        outputs.append((y, xi.grad, module.gate_up_proj.grad, module.down_proj.grad))
+        fp8_saved.append(sum(dtype == torch.float8_e4m3fn and dim >= 2 for dtype, dim in saved))
+    for got, ref in zip(*outputs, strict=True):
+        assert torch.equal(got, ref)
+    # The cached path keeps each weight's FP8 transpose for its dgrad (the loop: a view per expert and GEMM); the
+    # sharded one only the activations' FP8 codes (X for wgrad).
+    assert fp8_saved[1] > 0 and fp8_saved[0] == 2 * fp8_saved[1], fp8_saved
+    assert not sharded._cache and experts._cache
 
 
 def test_a_nan_expert_weight_costs_no_sync_in_training_and_is_refused_at_export():

@@ -162,12 +162,23 @@ class FP8Experts(ExpertsGate, nn.Module):
             self._backends[device] = resolve_backend(self.backend, device)
         return self._backends[device]
 
+    def requantizes_in_backward(self, which: str) -> bool:
+        """Whether the backward quantizes `which` again rather than keep its FP8 transpose from the forward: a
+        sharded weight (`is_sharded`), which DeepSpeed or FSDP gathers again for the backward."""
+        return is_sharded(getattr(self, which), self)
+
     def _linear(self, x, which: str, e: int):
         q, s = self.quantized(which, check_finite=False)
-        weight = getattr(self, which)[e]  # a view: its gradient lands in the fused Parameter
+        fused = getattr(self, which)
+        weight = fused[e]  # a view: its gradient lands in the fused Parameter
         # Wᵀ stays a view of the fused tensor here; a backend that needs it K-major copies it.
+        qt, st = q[e].t(), s[e].t()
+        # Quantized again from the expert's weight, a view saved for the backward: under FSDP2 only, which refills
+        # the very storage the view reads (DeepSpeed gathers into new storage, and the view would keep the old one).
+        if self.requantizes_in_backward(which) and not hasattr(fused, "ds_id"):
+            qt = st = None
         return _FP8LinearFunction.apply(
-            x, weight, None, q[e], s[e], q[e].t(), s[e].t(), (128, 128), self._backend(x.device), self.pow2_scales,
+            x, weight, None, q[e], s[e], qt, st, (128, 128), self._backend(x.device), self.pow2_scales,
             torch.is_grad_enabled(),
         )  # fmt: skip
 

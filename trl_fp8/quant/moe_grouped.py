@@ -54,7 +54,8 @@ class _GroupedFP8Function(torch.autograd.Function):
     """Y[rows of e] = X[rows of e] · W[e]ᵀ for every expert e at once (M buffer rows, K in, N out, E experts):
 
     - fprop: Y[M, N]     = X[M, K] · W[e][N, K]ᵀ    X in 1x128 blocks along K, W[e] in 128x128 blocks
-    - dgrad: dX[M, K]    = dY[M, N] · W[e][N, K]    dY in 1x128 blocks along N, W[e]ᵀ (cached K-major)
+    - dgrad: dX[M, K]    = dY[M, N] · W[e][N, K]    dY in 1x128 blocks along N, W[e]ᵀ (cached K-major; for sharded
+      weights quantized again here from the experts DeepSpeed or FSDP gathers again, the same bits)
     - wgrad: dW[e][N, K] = dY_eᵀ[N, M_e] · X_e[M_e, K]   dYᵀ and Xᵀ in 1x128 blocks along each expert's tokens
 
     Tiles of no expert (`tile_expert` = E) get zero outputs in fprop and dgrad and are left out of wgrad.
@@ -63,11 +64,13 @@ class _GroupedFP8Function(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, w_fp8, w_scale_inv, w_fp8_t, tile_expert, segments, pow2_scales, wgrad):
+    def forward(ctx, x, weight, w_fp8, w_scale_inv, w_fp8_t, tile_expert, segments, pow2_scales, wgrad, again=None):
         from .backends.triton_gemm_kernels import grouped_gemm
 
         x_fp8, x_scale_inv, xt_fp8, xt_scale_inv = fast_act(x, pow2_scales, wgrad and weight.requires_grad)
         y = grouped_gemm(x_fp8, x_scale_inv, w_fp8, w_scale_inv, tile_expert, x.dtype)
+        # `again`: (experts, which) to ask for Wᵀ in the backward, when no FP8 copy may wait for it (sharded weights).
+        ctx.again = again
         ctx.save_for_backward(w_fp8_t, w_scale_inv, xt_fp8, xt_scale_inv, tile_expert, segments)
         ctx.pow2_scales, ctx.x_dtype, ctx.w_dtype, ctx.num_experts = (
             pow2_scales,
@@ -87,10 +90,12 @@ class _GroupedFP8Function(torch.autograd.Function):
         )
         dx = dw = None
         if ctx.needs_input_grad[0]:
+            if ctx.again is not None:
+                _, _, w_fp8_t = ctx.again[0].quantized_with_t(ctx.again[1])
             dx = grouped_gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv.transpose(1, 2), tile_expert, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = grouped_wgrad(dyt_fp8, dyt_scale_inv, xt_fp8, xt_scale_inv, segments, ctx.num_experts, ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights, out_dtype=None):
@@ -101,11 +106,15 @@ def grouped_experts_forward(experts, hidden_states, top_k_index, top_k_weights, 
     x = x.index_copy(0, groups.dest, hidden_states[groups.token])
 
     def linear(x, which):
-        q, s, qt = experts.quantized_with_t(which)
-        weight = getattr(experts, which)
+        weight, again = getattr(experts, which), None
+        if experts.requantizes_in_backward(which):
+            (q, s), qt, again = experts.quantized(which, check_finite=False), None, (experts, which)
+        else:
+            q, s, qt = experts.quantized_with_t(which)
         return _GroupedFP8Function.apply(
-            x, weight, q, s, qt, groups.tile_expert, groups.segments, experts.pow2_scales, torch.is_grad_enabled()
-        )
+            x, weight, q, s, qt, groups.tile_expert, groups.segments, experts.pow2_scales, torch.is_grad_enabled(),
+            again,
+        )  # fmt: skip
 
     # Padding rows are never read back (`y[groups.dest]`), and rows do not mix in a GEMM, whatever the activation
     # makes of them.
