@@ -22,7 +22,9 @@ from trl_fp8.quant.kv_cache import calibrate_kv_scales
 FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
 
 
-@pytest.mark.parametrize("model", ["dense", "lora", "moe", "dense_activation_checkpointing"])
+@pytest.mark.parametrize(
+    "model", ["dense", "lora", "moe", "moe_gradient_checkpointing", "dense_activation_checkpointing"]
+)
 def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
     """FSDP2 (TRL's fsdp2.yaml settings: a unit per decoder layer, embeddings and head in units of their own) shards
     every parameter between uses. Each FP8 module quantizes the weight FSDP unshards for it and caches none (sibling
@@ -31,10 +33,15 @@ def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
     exactly what DDP computes (the KL to the reference model 0), the ranks end identical, and each sampler and the
     checkpoint hold the learner's FP8 weights bit for bit. With FSDP's activation checkpointing too (its wrappers
     around the decoder layers set aside while the stream reads the learner)."""
-    # LoRA with TRL's default gradient checkpointing; MoE without, so that what its experts save for the backward
-    # outlives FSDP's reshard after the forward.
-    extra = {"lora": ["--lora", "--gradient_checkpointing"], "moe": ["--moe"]}
+    # LoRA with TRL's default gradient checkpointing; MoE with and without it (without, what its experts save for
+    # the backward outlives FSDP's reshard after the forward).
+    extra = {
+        "lora": ["--lora", "--gradient_checkpointing"],
+        "moe": ["--moe"],
+        "moe_gradient_checkpointing": ["--moe", "--gradient_checkpointing"],
+    }
     flags = ["--beta", "--save_fp8", *extra.get(model, [])]
+    kind = model.partition("_")[0]  # dense, lora or moe
     config = FSDP2_CPU
     if model == "dense_activation_checkpointing":  # FSDP's own (accelerate wraps each decoder layer), not TRL's
         config = tmp_path / "fsdp2_ac.yaml"
@@ -48,17 +55,17 @@ def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
         assert rank["fsdp"] and rank["world_size"] == 2
         # Sharded between uses, after the sync and the save too: every parameter a DTensor, no FP8 weight cached.
         assert sorted(rank["dtensors"]) == sorted(params)
-        assert rank["marked_sharded"] == (8 if model == "moe" else 14) and rank["fp8_caches"] == 0
+        assert rank["marked_sharded"] == (8 if kind == "moe" else 14) and rank["fp8_caches"] == 0
         assert rank["other_fp8_caches"] == 0 and not rank["ref_grouped"]
         # What the stream sends is the quantization of the master weights (fp32: the quantization of the whole
         # parameter) after the last optimizer step, not of stale or partial ones.
         fresh = rank["fresh_fp8_weights"]
-        assert len(fresh) == {"lora": 0, "moe": 8}.get(model, 14) and all(fresh), fresh
+        assert len(fresh) == {"lora": 0, "moe": 8}.get(kind, 14) and all(fresh), fresh
         # A gather holds one layer whole at a time, and `close()` reshards it.
         assert rank["gather_states"] == [[True, False], [False, True], [False, False]], rank["gather_states"]
         # Two decoder layers and the embeddings / head: a unit is gathered for its linears, again for its norms.
         assert rank["fsdp_units"] >= 3 and 0 < rank["sync_unshards"] <= 2 * rank["fsdp_units"], rank["sync_unshards"]
-    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "fsdp2", tmp_path / "ddp", flags, model)
+    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "fsdp2", tmp_path / "ddp", flags, kind)
 
 
 @pytest.mark.parametrize("wrapper", ["causal_lm", "peft"])

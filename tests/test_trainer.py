@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
 from datasets import Dataset
+from peft import LoraConfig
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
@@ -290,6 +291,15 @@ def test_fsdp1_is_refused_at_start_and_fsdp2_taken(tmp_path, demo_tokenizer, mon
     assert not any(type(m).__name__ == "FP8Linear" for m in model.modules())  # refused before conversion
     monkeypatch.setenv("FSDP_VERSION", "2")
     assert check_fsdp_supported(tiny_grpo_args(tmp_path)) == 2
+    # FP8 + LoRA needs a unit per decoder layer: a base linear made a unit of its own would never be gathered.
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP")
+    assert check_fsdp_supported(tiny_grpo_args(tmp_path)) == 2
+    lora = LoraConfig(target_modules="all-linear", lora_dropout=0.0)
+    with pytest.raises(NotImplementedError, match=r"FP8 \+ LoRA under FSDP2 needs.*TRANSFORMER_BASED_WRAP"):
+        FP8GRPOTrainer(model=model, args=tiny_grpo_args(tmp_path), peft_config=lora, **kwargs)
+    by_size = tiny_grpo_args(tmp_path, fsdp=True, fsdp_config={"min_num_params": 1000})
+    with pytest.raises(NotImplementedError, match=r"SIZE_BASED_WRAP / min_num_params"):
+        check_fsdp_supported(by_size, lora=True)
 
 
 def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):

@@ -83,11 +83,13 @@ def test_a_sharded_weight_is_quantized_at_each_use_and_again_for_its_backward(sh
         assert full_shape(sharded.weight) == (384, 256)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast_bf16"])
 @pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
-def test_an_fp8_lora_layer_on_a_sharded_weight_merges_and_quantizes_again_for_its_backward(sharding):
+def test_an_fp8_lora_layer_on_a_sharded_weight_merges_and_quantizes_again_for_its_backward(sharding, autocast):
     """An FP8 LoRA layer whose base weight is sharded keeps no FP8 copy of its merged weight, neither cached nor
     saved for the backward, which merges and quantizes it again (from the weights DeepSpeed or FSDP gathers again):
-    outputs and every gradient are bit for bit those of the cached path."""
+    outputs and every gradient are bit for bit those of the cached path, also when the forward runs under autocast
+    and the backward does not (the merge ignores autocast)."""
     layers = []
     for marked in (False, True):
         model = fp8_lora_llama()
@@ -102,7 +104,8 @@ def test_an_fp8_lora_layer_on_a_sharded_weight_merges_and_quantizes_again_for_it
     outs = []
     for layer in layers:
         xi = x.clone().requires_grad_()
-        y = layer(xi)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(xi)
         saved = [t for t in y.grad_fn.saved_tensors if t is not None]
         fp8_saved = any(t.dtype == torch.float8_e4m3fn for t in saved)
         assert fp8_saved == (layer is layers[0]), "only the cached path keeps Q(W + s·B·A)ᵀ for the backward"

@@ -87,16 +87,17 @@ def activation_wrappers_set_aside(model: nn.Module) -> Iterator[None]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     swapped = []
-    for name, module in list(model.named_modules()):
-        if isinstance(module, ActivationWrapper) and "_checkpoint_wrapped_module" not in name:  # outermost only
-            inner = module
-            while isinstance(inner, ActivationWrapper):
-                inner = inner._checkpoint_wrapped_module
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, child, inner)
-            swapped.append((parent, child, module))
     try:
+        for name, module in list(model.named_modules()):
+            # The outermost wrappers of submodules (a wrapped `model` itself has no parent to swap it in).
+            if name and isinstance(module, ActivationWrapper) and "_checkpoint_wrapped_module" not in name:
+                inner = module
+                while isinstance(inner, ActivationWrapper):
+                    inner = inner._checkpoint_wrapped_module
+                parent_name, _, child = name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                setattr(parent, child, inner)
+                swapped.append((parent, child, module))
         yield
     finally:
         for parent, child, module in reversed(swapped):

@@ -117,19 +117,28 @@ class FP8LoraLinear(LoraLinear):
 
     @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
     @torch.no_grad()
-    def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _quantized(
+        self, check_finite: bool, with_t: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """`(Q, scale_inv, Qᵀ, scale_invᵀ)` of the merged weight, made once per optimizer step, with `FP8Linear`'s
-        deferred NaN/inf check."""
+        deferred NaN/inf check. The transposes are `None` for a sharded weight without `with_t` (its forward needs
+        none: its backward asks again)."""
         base, adapters = self.get_base_layer(), self._adapters()
         key, sharded = self._fp8_key(adapters), is_sharded(base.weight, base)
         entry = self._fp8_cache
         if sharded or entry is None or entry[0] != key:
-            w = merged_weight(self, adapters)
+            # Merged in the weights' own precision under any autocast (the forward's, none in the backward or the
+            # export): one bit pattern for all of them.
+            with torch.autocast(base.weight.device.type, enabled=False):
+                w = merged_weight(self, adapters)
             backend = base._backend_for(w.device)
             q, s, amax = backend.quantize_weight(
                 w, base.weight_block_size, base.pow2_scales, f"{base.fp8_name} + LoRA", check_finite=False
             )
-            transposed = (q.t().contiguous(), s.t().contiguous()) if w.is_cuda else (q.t(), s.t())
+            if sharded and not with_t:
+                transposed = (None, None)
+            else:
+                transposed = (q.t().contiguous(), s.t().contiguous()) if w.is_cuda else (q.t(), s.t())
             entry = (key, q, s, *transposed, amax)
         if check_finite and entry[5] is not None:
             if not bool(torch.isfinite(entry[5]).all()):  # one host sync per export, none per forward
@@ -155,7 +164,8 @@ class FP8LoraLinear(LoraLinear):
         if not self._fp8_path() or kwargs.get("adapter_names") is not None:
             return super().forward(x, *args, **kwargs)  # the FP8 base layer alone, or PEFT's mixed batches
         base, adapters = self.get_base_layer(), self._adapters()
-        q, s, qt, st = self._quantized(check_finite=False)
+        sharded = is_sharded(base.weight, base)
+        q, s, qt, st = self._quantized(check_finite=False, with_t=not sharded)
         # The adapters stacked, their scalings folded into B: autograd takes the gradients on to each A and B.
         lora_a = torch.cat([self.lora_A[a].weight for a in adapters])
         lora_b = torch.cat([self.lora_B[a].weight * self.scaling[a] for a in adapters], dim=1)
@@ -171,7 +181,7 @@ class FP8LoraLinear(LoraLinear):
             base.weight_block_size,
             base._backend_for(x.device),
             base.pow2_scales,
-            self if is_sharded(base.weight, base) else None,
+            self if sharded else None,
         )
 
     # PEFT merges through `weight.data`, which no version counter sees: the FP8 caches must be told.

@@ -168,19 +168,21 @@ class FP8Experts(ExpertsGate, nn.Module):
         return is_sharded(getattr(self, which), self)
 
     def _linear(self, x, which: str, e: int):
-        q, s = self.quantized(which, check_finite=False)
-        fused = getattr(self, which)
+        fused, backend = getattr(self, which), self._backend(x.device)
         weight = fused[e]  # a view: its gradient lands in the fused Parameter
-        # Wᵀ stays a view of the fused tensor here; a backend that needs it K-major copies it.
-        qt, st = q[e].t(), s[e].t()
+        if self.requantizes_in_backward(which):  # nothing cached: this expert alone (the same bits as stacked)
+            q, s, _ = backend.quantize_weight(weight.detach(), (128, 128), self.pow2_scales, "", check_finite=False)
+        else:
+            q, s = (t[e] for t in self.quantized(which, check_finite=False))
+        # Wᵀ stays a view of the FP8 weight here; a backend that needs it K-major copies it.
+        qt, st = q.t(), s.t()
         # Quantized again from the expert's weight, a view saved for the backward: under FSDP2 only, which refills
         # the very storage the view reads (DeepSpeed gathers into new storage, and the view would keep the old one).
         if self.requantizes_in_backward(which) and not hasattr(fused, "ds_id"):
             qt = st = None
         return _FP8LinearFunction.apply(
-            x, weight, None, q[e], s[e], qt, st, (128, 128), self._backend(x.device), self.pow2_scales,
-            torch.is_grad_enabled(),
-        )  # fmt: skip
+            x, weight, None, q, s, qt, st, (128, 128), backend, self.pow2_scales, torch.is_grad_enabled()
+        )
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         # The fast backends run every expert of the layer in one grouped kernel per GEMM (moe_grouped.py); the

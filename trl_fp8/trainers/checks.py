@@ -63,15 +63,18 @@ def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
     check_peft_supported(skeleton.get_base_model(), allow_dropout=not args.fp8_training)  # the checkpoint's names
 
 
-def check_fsdp_supported(args: FP8GRPOConfig) -> int | None:
+def check_fsdp_supported(args: FP8GRPOConfig, lora: bool = False) -> int | None:
     """The FSDP version `TrainingArguments` (`fsdp`, `fsdp_config["version"]`, 2 by default) or `accelerate launch`
     (`ACCELERATE_USE_FSDP`, `FSDP_VERSION`, 1 by default) ask for, or `None`. Refuses FSDP1 at start: its flat
     parameters are views the FP8 modules cannot read whole between forwards (FSDP2 gathers each unit for the
-    stream); FSDP2 is supported."""
+    stream); FSDP2 is supported. With FP8 + LoRA (`lora`), refuses units chosen by size: one could be a LoRA layer's
+    base linear, whose weight the FP8 LoRA layer reads without running it, so FSDP would never gather it."""
     if args.fsdp:
         version = int((args.fsdp_config or {}).get("version", 2))
+        by_size = int((args.fsdp_config or {}).get("min_num_params", 0)) > 0
     elif os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         version = int(os.environ.get("FSDP_VERSION", "1"))
+        by_size = os.environ.get("FSDP_AUTO_WRAP_POLICY", "") == "SIZE_BASED_WRAP"
     else:
         return None
     if version != 2:
@@ -79,6 +82,13 @@ def check_fsdp_supported(args: FP8GRPOConfig) -> int | None:
             f"FP8GRPOTrainer supports FSDP2, not FSDP{version}: set `fsdp_version: 2` in the accelerate config "
             "(examples/accelerate_configs/fsdp2_8gpu.yaml) or fsdp_config={'version': 2}; or use DeepSpeed ZeRO-2 "
             "(examples/accelerate_configs/zero2_8gpu.yaml), as the recipes do, or ZeRO-3."
+        )
+    if lora and by_size and args.fp8_training:
+        raise NotImplementedError(
+            "FP8 + LoRA under FSDP2 needs a unit per decoder layer (fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, "
+            "as examples/accelerate_configs/fsdp2_8gpu.yaml), not units chosen by size (SIZE_BASED_WRAP / "
+            "min_num_params): a LoRA layer's base linear made a unit of its own would never be gathered, since the "
+            "FP8 LoRA layer reads its weight without running it"
         )
     return version
 

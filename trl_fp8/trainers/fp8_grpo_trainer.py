@@ -90,7 +90,8 @@ class FP8GRPOTrainer(GRPOTrainer):
             check_peft_targets(model, kwargs["peft_config"], args)
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
-        fsdp_version = check_fsdp_supported(args)
+        lora = kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
+        fsdp_version = check_fsdp_supported(args, lora=lora)
         warn_truncated_sampling(args)
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
             check_kv_cache_supported(model.config)
