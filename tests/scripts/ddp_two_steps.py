@@ -46,16 +46,16 @@ def gathered(model):
 
 @contextmanager
 def counting_unshards():
-    """Counts FSDP2's unit all-gathers (`FSDPModule.unshard`) in the block: `[count]`."""
-    count, unshard = [0], FSDPModule.unshard
+    """Records FSDP2's unit all-gathers (`FSDPModule.unshard`) in the block: the id of each one's FSDP state."""
+    units, unshard = [], FSDPModule.unshard
 
     def counted(self, *args, **kwargs):
-        count[0] += 1
+        units.append(id(self._get_fsdp_state()))
         return unshard(self, *args, **kwargs)
 
     FSDPModule.unshard = counted
     try:
-        yield count
+        yield units
     finally:
         FSDPModule.unshard = unshard
 
@@ -170,7 +170,8 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
                 for m in policy.modules()
                 if isinstance(m, FP8Experts | FP8LoraLinear)
             ),
-            "sync_unshards": unshards[0],
+            "sync_unshards": len(unshards),
+            "sync_units": len(set(unshards)),
             "fsdp_units": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "marked_sharded": sum(getattr(m, "fp8_sharded", False) for m in fp8_linears),
             "log_history": trainer.state.log_history,

@@ -57,26 +57,33 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
     done: set[str] = set()
     adapted = lora_layers(model)
     inside_adapted = tuple(f"{name}." for name in adapted)  # base layers and adapters: one merged weight each
+    # Every other parameter goes as it is, with its module, in module order: a layer's norms arrive with its linears
+    # (vLLM's layerwise reload completes a layer once all of its tensors have arrived, and FSDP2 gathers each
+    # layer once). Tied parameters under their first name only, as `named_parameters()` gives them.
+    as_they_are = {n for n, _ in model.named_parameters() if not n.startswith(inside_adapted)}
     for mod_name, module in model.named_modules():
         if mod_name.startswith(inside_adapted):
             continue
         fused_experts = isinstance(module, FP8Experts) or mod_name in experts_to_quantize
-        if not (
+        if (
             mod_name in adapted
             or fused_experts
             or isinstance(module, FP8Linear)
             or is_te_linear(module)
             or mod_name in to_quantize
         ):
-            continue
-        with _gathering(gather, _read_together(module)):
-            pairs = _copied(_module_pairs(mod_name, module, adapted, to_quantize, fused_experts, recipe), gather)
-        yield from pairs
-        done.update(n for n, _ in pairs)
-        if fused_experts:
-            done.update(f"{mod_name}.{which}" for which in ("gate_up_proj", "down_proj"))
-    rest = [n for n, _ in model.named_parameters() if n not in done and not n.startswith(inside_adapted)]
-    yield from _as_they_are(model, rest, gather)
+            with _gathering(gather, _read_together(module)):
+                pairs = _copied(_module_pairs(mod_name, module, adapted, to_quantize, fused_experts, recipe), gather)
+            yield from pairs
+            done.update(n for n, _ in pairs)
+            if fused_experts:
+                done.update(f"{mod_name}.{which}" for which in ("gate_up_proj", "down_proj"))
+        prefix = f"{mod_name}." if mod_name else ""
+        own = [f"{prefix}{n}" for n, _ in module.named_parameters(recurse=False)]
+        own = [n for n in own if n in as_they_are and n not in done]
+        yield from _as_they_are(model, own, gather)
+        done.update(own)
+    yield from _as_they_are(model, [n for n, _ in model.named_parameters() if n in as_they_are - done], gather)
     yield from _persistent_buffers(model)
 
 
