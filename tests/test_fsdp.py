@@ -29,7 +29,7 @@ def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
     """FSDP2 (TRL's fsdp2.yaml settings: a unit per decoder layer, embeddings and head in units of their own) shards
     every parameter between uses. Each FP8 module quantizes the weight FSDP unshards for it and caches none (sibling
     linears run alone), the reference model is converted before TRL's `prepare_fsdp` wraps it, and the sync (and
-    `save_model`'s FP8 checkpoint) unshards one unit at a time, each once for its linears. The first step computes
+    `save_model`'s FP8 checkpoint) unshards one unit at a time, each unit once. The first step computes
     exactly what DDP computes (the KL to the reference model 0), the ranks end identical, and each sampler and the
     checkpoint hold the learner's FP8 weights bit for bit. With FSDP's activation checkpointing too (its wrappers
     around the decoder layers set aside while the stream reads the learner)."""
@@ -53,8 +53,10 @@ def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
     params = ranks[0]["params"]
     for rank in ranks:
         assert rank["fsdp"] and rank["world_size"] == 2
-        # Sharded between uses, after the sync and the save too: every parameter a DTensor, no FP8 weight cached.
+        # Every parameter sharded by FSDP (a DTensor), no FP8 weight cached; read without a gather, the shards are
+        # refused, naming one.
         assert sorted(rank["dtensors"]) == sorted(params)
+        assert "is an FSDP2 shard (a DTensor): pass gather=" in rank["stream_without_gather"]
         assert rank["marked_sharded"] == (8 if kind == "moe" else 14) and rank["fp8_caches"] == 0
         assert rank["other_fp8_caches"] == 0 and not rank["ref_grouped"]
         # What the stream sends is the quantization of the master weights (fp32: the quantization of the whole

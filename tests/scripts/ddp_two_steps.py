@@ -144,6 +144,11 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
                 fresh.append(bool(torch.equal(learner_fp8[name].view(torch.uint8), q.view(torch.uint8))))
                 fresh[-1] &= bool(torch.equal(learner_fp8[f"{name}_scale_inv"], s))
         gather_states = fsdp2_gather_states(trainer.model, unwrap_peft(policy).get_decoder().layers)
+        try:  # FSDP2's shards without a gather: refused before anything is read
+            list(iter_fp8_state(engine.learner()))
+            no_gather = None
+        except ValueError as refused:
+            no_gather = str(refused)
     torch.save(
         {
             "params": params,
@@ -164,6 +169,7 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
             "dtensors": dtensors,
             "activation_wrappers": wrapped,
             "gather_states": gather_states if fsdp else None,
+            "stream_without_gather": no_gather if fsdp else None,
             "fp8_caches": sum(m._w_cache is not None for m in fp8_linears),
             "other_fp8_caches": sum(
                 bool(m._cache) if isinstance(m, FP8Experts) else m._fp8_cache is not None
@@ -172,7 +178,6 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
             ),
             "sync_unshards": len(unshards),
             "sync_units": len(set(unshards)),
-            "fsdp_units": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "marked_sharded": sum(getattr(m, "fp8_sharded", False) for m in fp8_linears),
             "log_history": trainer.state.log_history,
             "sampler_fp8": {n: t.clone() for n, t in engine.sampler.state_dict().items() if "_proj." in n},

@@ -54,6 +54,7 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
         recipe = FP8Recipe.from_any(recipe)
         to_quantize = set(select_fp8_linears(model, recipe)[0])
         experts_to_quantize = set(select_fp8_experts(model, recipe)[0])
+    _check_gatherable(model, gather)
     done: set[str] = set()
     adapted = lora_layers(model)
     inside_adapted = tuple(f"{name}." for name in adapted)  # base layers and adapters: one merged weight each
@@ -83,7 +84,6 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
         own = [n for n in own if n in as_they_are and n not in done]
         yield from _as_they_are(model, own, gather)
         done.update(own)
-    yield from _as_they_are(model, [n for n, _ in model.named_parameters() if n in as_they_are - done], gather)
     yield from _persistent_buffers(model)
 
 
@@ -174,6 +174,7 @@ def stream_nbytes(pairs: list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
 def iter_hp_state(model: nn.Module, gather: Gather | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The high-precision stream: every parameter and checkpoint buffer as the learner holds it (a LoRA layer's
     weight merged, under the plain linear's names). `gather` as in `iter_fp8_state`."""
+    _check_gatherable(model, gather)
     adapted = lora_layers(model)
     inside_adapted = tuple(f"{name}." for name in adapted)
     for name, layer in adapted.items():
@@ -201,12 +202,25 @@ def _gathering(gather: Gather | None, params: Iterable[nn.Parameter]) -> context
     return contextlib.nullcontext() if gather is None else gather(list(params))
 
 
+def _check_gatherable(model: nn.Module, gather: Gather | None) -> None:
+    """Refuses, before anything is read, to stream FSDP2's shards (`DTensor` parameters) without a `gather`."""
+    if gather is None:
+        sharded = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+        if sharded is not None:
+            raise ValueError(
+                f"{sharded} is an FSDP2 shard (a DTensor): pass gather= (trl_fp8.generation.gather.FSDP2Gather) "
+                "to read the whole weights"
+            )
+
+
 def _copied(pairs: list[tuple[str, torch.Tensor]], gather: Gather | None) -> list[tuple[str, torch.Tensor]]:
-    # Gathered storage returns to its shards when the gather ends: what leaves it must be a copy. A `DTensor` no
-    # gather made whole (a parameter outside every FSDP2 unit) is read whole: a collective of its own.
+    # Gathered storage returns to its shards when the gather ends: what leaves it must be a copy.
     if gather is None:
         return pairs
-    return [(n, t.full_tensor() if isinstance(t, DTensor) else t.clone()) for n, t in pairs]
+    for name, t in pairs:
+        if isinstance(t, DTensor):  # a shard the gather did not make whole: never sent as if it were the weight
+            raise ValueError(f"{name} is still an FSDP2 shard (a DTensor) inside the gather; nothing was sent")
+    return [(n, t.clone()) for n, t in pairs]
 
 
 @torch.no_grad()

@@ -168,9 +168,9 @@ class FP8Experts(ExpertsGate, nn.Module):
         return is_sharded(getattr(self, which), self)
 
     def _linear(self, x, which: str, e: int):
-        fused, backend = getattr(self, which), self._backend(x.device)
+        fused, backend, sharded = getattr(self, which), self._backend(x.device), self.requantizes_in_backward(which)
         weight = fused[e]  # a view: its gradient lands in the fused Parameter
-        if self.requantizes_in_backward(which):  # nothing cached: this expert alone (the same bits as stacked)
+        if sharded:  # nothing cached: this expert alone (the same bits as stacked)
             q, s, _ = backend.quantize_weight(weight.detach(), (128, 128), self.pow2_scales, "", check_finite=False)
         else:
             q, s = (t[e] for t in self.quantized(which, check_finite=False))
@@ -178,7 +178,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         qt, st = q.t(), s.t()
         # Quantized again from the expert's weight, a view saved for the backward: under FSDP2 only, which refills
         # the very storage the view reads (DeepSpeed gathers into new storage, and the view would keep the old one).
-        if self.requantizes_in_backward(which) and not hasattr(fused, "ds_id"):
+        if sharded and not hasattr(fused, "ds_id"):
             qt = st = None
         return _FP8LinearFunction.apply(
             x, weight, None, q, s, qt, st, (128, 128), backend, self.pow2_scales, torch.is_grad_enabled()
