@@ -158,18 +158,27 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer):
-    straight = trainer_for(tmp_path / "a", demo_tokenizer)
+@pytest.mark.parametrize("kv_cache", [False, True], ids=["bf16_kv", "fp8_kv"])
+def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer, kv_cache):
+    """With the FP8 KV cache, the checkpoint keeps the batch its next recalibration runs on (beside the RNG state):
+    the resumed run's first scales are the ones the straight run used. (Two ranks: tests/test_distributed.py.)"""
+    straight = trainer_for(tmp_path / "a", demo_tokenizer, fp8_kv_cache=kv_cache)
     straight.train()
     # Same schedule (max_steps=3), interrupted after the checkpoint at step 2.
-    first = trainer_for(tmp_path / "b", demo_tokenizer, save_strategy="steps", save_steps=2)
+    first = trainer_for(tmp_path / "b", demo_tokenizer, save_strategy="steps", save_steps=2, fp8_kv_cache=kv_cache)
     first.add_callback(StopAt(2))
     first.train()
     assert first.state.global_step == 2
-    resumed = trainer_for(tmp_path / "b", demo_tokenizer)
+    kept = tmp_path / "b" / "checkpoint-2" / "fp8_kv_calibration.pt"
+    assert kept.is_file() == kv_cache
+    resumed = trainer_for(tmp_path / "b", demo_tokenizer, fp8_kv_cache=kv_cache)
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{name} differs after resuming")
+    if kv_cache:  # the last sync's scales: calibrated on the kept batch, with the weights after step 2
+        torch.testing.assert_close(
+            resumed.vllm_generation._kv_scale_invs, straight.vllm_generation._kv_scale_invs, rtol=0, atol=0
+        )
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "b" / "checkpoint-2" / "model.safetensors")

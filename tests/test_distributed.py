@@ -147,3 +147,41 @@ def test_two_process_ddp_trains_fp8_lora_with_identical_adapters_and_samplers(tm
     for name, t in learner.items():
         assert torch.equal(sampler[name].view(torch.uint8), t.view(torch.uint8)), name
         assert torch.equal(ranks[1]["sampler_fp8"][name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+RESUME = SCRIPT.with_name("resume_two_ranks.py")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("zero2", marks=needs_deepspeed),
+        pytest.param("zero3", marks=needs_deepspeed),
+        "fsdp2",
+    ],
+)
+def test_a_two_rank_run_resumed_from_its_checkpoint_ends_where_the_straight_run_does(tmp_path, layout):
+    """A preempted job restarted from its last checkpoint (`train(resume_from_checkpoint=...)`) under the layouts that
+    shard what a checkpoint holds: the optimizer states (ZeRO-2, the recipes'), the parameters too (ZeRO-3; FSDP2,
+    whose checkpoints are sharded, `SHARDED_STATE_DICT`). The resumed trainer runs the one step left, on the weights
+    and optimizer state it loaded (no FP8 weight quantized before the load survives it, the FP8 KV cache calibrated
+    afresh), and ends bit for bit where three straight steps end, on both ranks."""
+    from test_fsdp import FSDP2_CPU
+
+    config = {"zero2": ZERO2_CPU, "zero3": ZERO3_CPU, "fsdp2": FSDP2_CPU}[layout]
+    ranks = launch_two_processes(RESUME, tmp_path, config_file=config)
+    for rank in ranks:
+        assert rank["layout"] == layout and rank["resumed_steps"] == 1
+        straight, resumed, interrupted = rank["straight"], rank["resumed"], rank["interrupted"]
+        assert straight.keys() == resumed.keys()
+        for name, p in straight.items():
+            assert torch.equal(resumed[name], p), f"{name} differs after resuming"
+            assert torch.equal(p, ranks[0]["straight"][name]), f"{name} differs between the ranks"
+        # The last step moved every parameter: a resumed trainer that skipped it, or ran it on the initial weights,
+        # would not end here.
+        assert all(not torch.equal(interrupted[n], p) for n, p in straight.items())
+        last, last_resumed = (
+            [log for log in logs if "loss" in log][-1] for logs in (rank["straight_logs"], rank["resumed_logs"])
+        )
+        for key in ("loss", "grad_norm", "reward", "sampling/token_mult_prob_error", "step"):
+            assert last[key] == last_resumed[key], key

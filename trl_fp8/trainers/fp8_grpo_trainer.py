@@ -14,7 +14,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..generation.gather import learner_gather
-from ..generation.reference import ReferenceEngine, left_pad
+from ..generation.reference import ReferenceEngine
 from ..generation.vllm_colocate import restore_module_call
 from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
@@ -33,6 +33,13 @@ from .checks import (
     warn_truncated_sampling,
 )
 from .fp8_grpo_config import FP8GRPOConfig
+from .kv_calibration import (
+    calibration_file,
+    load_calibration_batch,
+    prompts_batch,
+    rollouts_batch,
+    save_calibration_batch,
+)
 from .sharded import prepare_for_fsdp2, prepare_for_zero3, reference_converted_before_wrapping, sharding
 
 
@@ -191,6 +198,20 @@ class FP8GRPOTrainer(GRPOTrainer):
         self._last_loaded_step = -1
         return super().train(*args, **kwargs)
 
+    def _save_rng_state(self, output_dir: str) -> None:
+        # A checkpoint's per-rank state: the FP8 KV cache's next calibration batch goes beside the RNG states.
+        super()._save_rng_state(output_dir)
+        batch = getattr(self.vllm_generation, "calibration_batch", None)
+        if getattr(self.vllm_generation, "kv_cache", False) and batch is not None:
+            save_calibration_batch(batch, calibration_file(output_dir, self.args.world_size, self.args.process_index))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # The Trainer restores per-rank state here, on resuming, before the first step generates.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None and getattr(self.vllm_generation, "kv_cache", False):
+            path = calibration_file(checkpoint, self.args.world_size, self.args.process_index)
+            self.vllm_generation.calibration_batch = load_calibration_batch(path)
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
@@ -265,21 +286,14 @@ class FP8GRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         engine = self.vllm_generation
         kv_cache = getattr(engine, "kv_cache", False)
-        if kv_cache and engine.calibration_batch is None:
-            # The very first KV calibration has no finished batch yet: it uses this batch's prompts.
+        if kv_cache and engine.calibration_batch is None:  # the very first calibration: no batch has finished
             prompt_ids = self._tokenize_prompts([x["prompt"] for x in inputs])[0]
-            rows = spread_rows(len(prompt_ids), self.args.fp8_kv_calibration_rows)
-            engine.calibration_batch = left_pad([prompt_ids[i] for i in rows], self._tokenizer.pad_token_id)
+            rows, pad_token_id = self.args.fp8_kv_calibration_rows, self._tokenizer.pad_token_id
+            engine.calibration_batch = prompts_batch(prompt_ids, rows, pad_token_id)
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        if kv_cache and mode == "train":
-            # The next recalibration (after the next optimizer step) runs on rows spread over this batch, completions
-            # included (of a training batch: the scales serve the rollouts that train).
-            rows = spread_rows(len(output["prompt_ids"]), self.args.fp8_kv_calibration_rows)
-            engine.calibration_batch = (
-                torch.cat([output["prompt_ids"][rows], output["completion_ids"][rows]], dim=1),
-                torch.cat([output["prompt_mask"][rows], output["completion_mask"][rows]], dim=1),
-            )
+        if kv_cache and mode == "train":  # the next recalibration (after the next optimizer step) runs on this batch
+            engine.calibration_batch = rollouts_batch(output, self.args.fp8_kv_calibration_rows)
         # A constant series whose name says which kernels trained this step (te, torch, triton, emulated).
         self._metrics[mode][f"fp8/backend/{self.fp8_backend}"].append(1.0)
         sync = getattr(engine, "last_sync", None)
@@ -405,9 +419,3 @@ def learner_backend(policy, recipe) -> str:
     auto_other_block = recipe.backend in ("auto", "te") and list(recipe.weight_block_size) != [128, 128]
     name = "emulated" if auto_other_block else "auto" if recipe.backend == "te" else recipe.backend
     return resolve_backend(name, device).name
-
-
-def spread_rows(n: int, rows: int) -> list[int]:
-    """`rows` indices spread evenly over a batch of `n`. TRL's batches hold each prompt's generations side by side, so
-    the first rows would be the generations of one or two prompts (with 32 generations, half of one)."""
-    return list(range(n)) if n <= rows else [i * n // rows for i in range(rows)]
