@@ -150,7 +150,8 @@ def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
     if truncations:
         logger.warning(
             "trl-fp8: sampling is truncated or penalized (%s). The sampler returns the log-probs of the distribution "
-            "it sampled from, as vLLM does for TRL, so the importance-sampling ratios run below 1 and scale the updates "
-            "down (see `sampling/importance_sampling_ratio/mean`); unset them to sample from the full distribution.",
+            "it sampled from, as vLLM does for TRL, so the importance-sampling ratios run below 1 and scale the "
+            "updates down (see `sampling/importance_sampling_ratio/mean`); unset them to sample from the full "
+            "distribution.",
             ", ".join(truncations),
         )

@@ -23,7 +23,6 @@ from ..quant.convert import convert_to_fp8, fp8_modules
 from ..quant.export import save_fp8_checkpoint, stream_checkpoint_names
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
-from ..quant.moe import capture_routing, is_fused_experts
 from ..quant.te_linear import is_te_linear
 from .checks import (
     check_backend_runs_here,
@@ -40,13 +39,14 @@ from .kv_calibration import (
     rollouts_batch,
     save_calibration_batch,
 )
+from .mismatch import MismatchMetrics
 from .sharded import prepare_for_fsdp2, prepare_for_zero3, reference_converted_before_wrapping, sharding
 
 
 logger = logging.getLogger(__name__)
 
 
-class FP8GRPOTrainer(GRPOTrainer):
+class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
     """
     [`trl.GRPOTrainer`] with FP8 in both generation and training (NVIDIA NeMo RL's end-to-end FP8 recipe).
 
@@ -310,86 +310,6 @@ class FP8GRPOTrainer(GRPOTrainer):
             if self._is_moe and isinstance(engine, ReferenceEngine):  # vLLM's routing is not observable here
                 self._log_router_mismatch(output, mode)
         return output
-
-    @property
-    def _is_moe(self) -> bool:
-        if not hasattr(self, "_is_moe_cache"):
-            self._is_moe_cache = any(is_fused_experts(m) for m in self.accelerator.unwrap_model(self.model).modules())
-        return self._is_moe_cache
-
-    @torch.no_grad()
-    def _log_router_mismatch(self, output, mode: str) -> None:
-        """One extra forward of each model on the batch (MoE only), recording the experts each token is sent to."""
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        sampler = self.vllm_generation.sampler
-        learner = self.accelerator.unwrap_model(self.model)
-        with capture_routing(sampler) as sampled:
-            sampler(input_ids=input_ids.to(sampler.device), attention_mask=attention_mask.to(sampler.device))
-        with capture_routing(learner) as learned:
-            learner(input_ids=input_ids, attention_mask=attention_mask)
-        valid = attention_mask.flatten().bool().cpu()
-        differ = sum(
-            int((s.sort(-1).values != t.sort(-1).values).any(-1)[valid].sum())
-            for s, t in zip(sampled, learned, strict=True)
-        )
-        counts = torch.tensor([[float(differ), float(valid.sum()) * len(sampled)]], device=self.accelerator.device)
-        differ, total = self.accelerator.gather(counts).sum(0).tolist()
-        if total > 0:
-            self._metrics[mode]["fp8/router_mismatch"].append(differ / total)
-
-    @torch.no_grad()
-    def _learner_logps(self, output) -> torch.Tensor:
-        """Learner log-probs of the sampled tokens, for metrics when TRL did not compute them (IS off)."""
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            self.model,
-            input_ids,
-            attention_mask,
-            output["completion_ids"].size(1),
-            batch_size=self.args.per_device_train_batch_size,
-        )
-        return logps
-
-    def _log_mismatch(self, output, mode: str) -> None:
-        gen = output["sampling_per_token_logps"]
-        train = output.get("old_per_token_logps")
-        if train is None:
-            train = self._learner_logps(output)
-        mask = output["completion_mask"]
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
-        mask = mask.bool() & ~torch.isnan(gen)
-        d = torch.nan_to_num(train - gen, nan=0.0)
-        # The share of tokens whose raw learner/sampler ratio falls outside [clip_min, clip_max]: those the
-        # correction truncates or masks (per token, or through their sequence in sequence_* modes).
-        log_ratio = d * mask
-        if self.vllm_importance_sampling_mode.startswith("sequence"):
-            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(d)
-        ratio = torch.exp(log_ratio)
-        clip_max = self.vllm_importance_sampling_clip_max
-        clip_min = self.vllm_importance_sampling_clip_min
-        oob = torch.zeros_like(mask)
-        if clip_max is not None:
-            oob |= ratio > clip_max
-        if clip_min is not None:
-            oob |= ratio < clip_min
-        maskf = mask.float()
-        sums = torch.stack(
-            [
-                (torch.exp(d.abs()) * maskf).sum(),
-                ((torch.exp(d) - 1 - d) * maskf).sum(),
-                (oob.float() * maskf).sum(),
-                maskf.sum(),
-            ]
-        )
-        # Sums then one division: exact token means over all ranks, whatever each rank's token count.
-        mult_err, gen_kl, oob_count, count = self.accelerator.gather(sums.unsqueeze(0)).sum(0).tolist()
-        if count > 0:
-            self._metrics[mode]["sampling/token_mult_prob_error"].append(mult_err / count)
-            self._metrics[mode]["sampling/gen_kl"].append(gen_kl / count)
-            self._metrics[mode]["sampling/is_oob_ratio"].append(oob_count / count)
 
 
 @contextmanager
