@@ -7,6 +7,7 @@ The policy is a tiny Llama with a byte-level tokenizer and Qwen3's chat template
 parses), taught in a few seconds of supervised steps to answer every assistant turn with one tool call. TRL's own
 tool test replaces `generate` with canned token ids; here the FP8 engine samples them from a real model."""
 
+import functools
 import json
 import os
 import random
@@ -58,7 +59,16 @@ PROMPTS = [[{"role": "user", "content": f"What is {i} times {j}?"}] for i in ran
 def tool_calling_policy() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """`(model, tokenizer)`: a policy taught, by supervised steps until every answer token has probability > 0.999,
     to answer both assistant turns (the first, and the one after the tool's answer) with
-    `<tool_call>CALL</tool_call><|im_end|>`. Seeded on a forked RNG: the caller's random state is left alone."""
+    `<tool_call>CALL</tool_call><|im_end|>`. Seeded on a forked RNG: the caller's random state is left alone. Taught
+    once per process; each call returns a fresh copy."""
+    config, state = _taught_policy()
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(state)
+    return model, byte_tokenizer()
+
+
+@functools.cache
+def _taught_policy() -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     tokenizer = byte_tokenizer()
     config = LlamaConfig(
         vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -97,7 +107,7 @@ def tool_calling_policy() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
             if step % 20 == 19 and _least_answer_probability(model, input_ids, attention_mask, labels) > 0.999:
                 break
     assert _least_answer_probability(model, input_ids, attention_mask, labels) > 0.999
-    return model, tokenizer
+    return config, {n: t.clone() for n, t in model.state_dict().items()}
 
 
 @torch.no_grad()
@@ -147,6 +157,67 @@ def test_tool_calling_trains_in_fp8_and_the_tools_answer_stays_out_of_the_mismat
     check_tool_rollouts(
         [log["tools/call_frequency"] for log in logs], [log["tools/failure_frequency"] for log in logs], seen
     )
+    errors = [log["sampling/token_mult_prob_error"] for log in logs]
+    assert max(errors) < 1.01, errors
+
+
+class Calculator:
+    """An environment (TRL's `environment_factory`): its public methods are the rollout's tools, `reset` starts a
+    rollout, and `get_reward` scores it from what the tools saw."""
+
+    def __init__(self):
+        self.products: list[int] = []
+
+    def reset(self, **example) -> None:
+        self.products = []
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.products.append(a * b)
+        return a * b
+
+    def get_reward(self) -> float:
+        return float(self.products == [12])
+
+
+def test_an_environment_owns_the_tools_and_the_reward_of_fp8_rollouts(tmp_path):
+    """TRL's `environment_factory` (experimental in TRL 1.16): one environment per rollout, whose `multiply` the FP8
+    engine's rollouts call and whose `get_reward` scores them (the tool ran once, with 3 x 4). The rollouts, the
+    environments' rewards and the mismatch are those of `tools=[multiply]`."""
+    model, tokenizer = tool_calling_policy()
+    seen, instances = [], []
+    rng = random.Random(0)
+
+    def varied(completions, **kwargs):
+        seen.extend(completions)
+        return [rng.random() for _ in completions]  # distinct within each group, so that every step has a loss
+
+    def factory():
+        instances.append(Calculator())
+        return instances[-1]
+
+    args = tiny_grpo_args(tmp_path, per_device_train_batch_size=8, max_completion_length=64,
+                          max_tool_calling_iterations=1, learning_rate=1e-3)  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        model=model,
+        reward_funcs=varied,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        environment_factory=factory,
+    )
+    logs = [log for log in train_and_check(trainer) if "tools/call_frequency" in log]
+    calls = [log["tools/call_frequency"] for log in logs]
+    check_tool_rollouts(calls, [log["tools/failure_frequency"] for log in logs], seen)
+    # Every rollout that called the tool once, with 3 x 4, is rewarded 1 by its environment.
+    env_rewards = [log["rewards/Calculator/mean"] for log in logs]
+    assert env_rewards == pytest.approx(calls), (env_rewards, calls)
+    assert len(instances) > 1 and any(i.products for i in instances)
     errors = [log["sampling/token_mult_prob_error"] for log in logs]
     assert max(errors) < 1.01, errors
 
