@@ -130,18 +130,16 @@ def check_tool_rollouts(call_frequency: list[float], failure_frequency: list[flo
     assert len(exact) == 16 and sum(exact) >= 12, sum(exact)
 
 
-def test_tool_calling_trains_in_fp8_and_the_tools_answer_stays_out_of_the_mismatch(tmp_path):
-    """The rollouts call the tool, get its answer (12) and, sampled again by the FP8 engine from a prompt ending in
-    that answer, call it once more (`max_tool_calling_iterations=1`); training moves every parameter; and the
-    mismatch stays at end-to-end FP8's ~1: the tool's tokens, logged by the sampler as log-prob 0 and far from the
-    learner's, are left out (counted in, they would push the mean error far above 1.01)."""
+def train_tool_rollouts(tmp_path, **tools) -> list[dict]:
+    """Two FP8 steps of the taught policy with `tools` (`tools=` or `environment_factory=`), rewarded at random
+    (distinct within each group, so that every step has a loss); the rollouts pass `check_tool_rollouts`. Returns
+    the steps' logs."""
     model, tokenizer = tool_calling_policy()
-    seen = []
-    rng = random.Random(0)
+    seen, rng = [], random.Random(0)
 
     def reward(completions, **kwargs):
         seen.extend(completions)
-        return [rng.random() for _ in completions]  # distinct within each group, so that every step has a loss
+        return [rng.random() for _ in completions]
 
     args = tiny_grpo_args(tmp_path, per_device_train_batch_size=8, max_completion_length=64,
                           max_tool_calling_iterations=1, learning_rate=1e-3)  # fmt: skip
@@ -151,12 +149,21 @@ def test_tool_calling_trains_in_fp8_and_the_tools_answer_stays_out_of_the_mismat
         args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
-        tools=[multiply],
+        **tools,
     )
     logs = [log for log in train_and_check(trainer) if "tools/call_frequency" in log]
     check_tool_rollouts(
         [log["tools/call_frequency"] for log in logs], [log["tools/failure_frequency"] for log in logs], seen
     )
+    return logs
+
+
+def test_tool_calling_trains_in_fp8_and_the_tools_answer_stays_out_of_the_mismatch(tmp_path):
+    """The rollouts call the tool, get its answer (12) and, sampled again by the FP8 engine from a prompt ending in
+    that answer, call it once more (`max_tool_calling_iterations=1`); training moves every parameter; and the
+    mismatch stays at end-to-end FP8's ~1: the tool's tokens, logged by the sampler as log-prob 0 and far from the
+    learner's, are left out (counted in, they would push the mean error far above 1.01)."""
+    logs = train_tool_rollouts(tmp_path, tools=[multiply])
     errors = [log["sampling/token_mult_prob_error"] for log in logs]
     assert max(errors) < 1.01, errors
 
@@ -189,31 +196,14 @@ def test_an_environment_owns_the_tools_and_the_reward_of_fp8_rollouts(tmp_path):
     """TRL's `environment_factory` (experimental in TRL 1.16): one environment per rollout, whose `multiply` the FP8
     engine's rollouts call and whose `get_reward` scores them (the tool ran once, with 3 x 4). The rollouts, the
     environments' rewards and the mismatch are those of `tools=[multiply]`."""
-    model, tokenizer = tool_calling_policy()
-    seen, instances = [], []
-    rng = random.Random(0)
-
-    def varied(completions, **kwargs):
-        seen.extend(completions)
-        return [rng.random() for _ in completions]  # distinct within each group, so that every step has a loss
+    instances = []
 
     def factory():
         instances.append(Calculator())
         return instances[-1]
 
-    args = tiny_grpo_args(tmp_path, per_device_train_batch_size=8, max_completion_length=64,
-                          max_tool_calling_iterations=1, learning_rate=1e-3)  # fmt: skip
-    trainer = FP8GRPOTrainer(
-        model=model,
-        reward_funcs=varied,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=tokenizer,
-        environment_factory=factory,
-    )
-    logs = [log for log in train_and_check(trainer) if "tools/call_frequency" in log]
+    logs = train_tool_rollouts(tmp_path, environment_factory=factory)
     calls = [log["tools/call_frequency"] for log in logs]
-    check_tool_rollouts(calls, [log["tools/failure_frequency"] for log in logs], seen)
     # Every rollout that called the tool once, with 3 x 4, is rewarded 1 by its environment.
     env_rewards = [log["rewards/Calculator/mean"] for log in logs]
     assert env_rewards == pytest.approx(calls), (env_rewards, calls)
