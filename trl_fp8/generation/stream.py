@@ -101,7 +101,8 @@ class LearnerStream:
             raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
         start = time.perf_counter()
         policy = self.learner()
-        ids, mask = (t.to(policy.device) for t in self.calibration_batch)
+        # The device it computes on: an offloaded learner's parameters stay on the CPU between uses.
+        ids, mask = (t.to(self.accelerator.device) for t in self.calibration_batch)
         # FSDP2 unshards the embeddings in its outermost module's forward, which must run first.
         model = self.model if self._fsdp2 else policy.get_decoder()
         scales = calibrate_kv_scales(

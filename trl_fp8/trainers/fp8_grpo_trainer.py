@@ -154,7 +154,7 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
                         warnings.warn(w.message, w.category, stacklevel=2)
                     else:
                         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-            self.fp8_backend = learner_backend(policy, recipe)
+            self.fp8_backend = learner_backend(policy, recipe, self.accelerator.device)
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
 
         if args.use_vllm:
@@ -326,14 +326,14 @@ def _engine_class(engine_class):
         trl_grpo.VLLMGeneration = original
 
 
-def learner_backend(policy, recipe) -> str:
+def learner_backend(policy, recipe, device: torch.device) -> str:
     """Which kernels the converted learner runs on: `none` if nothing was converted, `te` if its linears are
-    TransformerEngine's, else the GEMM backend `recipe.backend` resolves to on the learner's device."""
+    TransformerEngine's, else the GEMM backend `recipe.backend` resolves to on `device`, the one it computes on (the
+    accelerator's: under ZeRO-3 or FSDP2 its parameters may still be on the CPU here, or stay there when offloaded)."""
     if not fp8_modules(policy):  # the recipe converted nothing (dims off the block grid, exclusions)
         return "none"
     if any(is_te_linear(m) for m in policy.modules()):
         return "te"
-    device = next(policy.parameters()).device
     # As FP8Linear resolves it: with "te", the linears TE does not take (LoRA's base layers, other weight blocks) run
     # on "auto", which takes the oracle for weight blocks other than 128x128.
     auto_other_block = recipe.backend in ("auto", "te") and list(recipe.weight_block_size) != [128, 128]
