@@ -113,7 +113,7 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         ),
         peft_config=get_peft_config(model_args),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # as TRL's scripts
     if trainer.is_fsdp_enabled:  # one checkpoint, gathered from FSDP's shards, that loads anywhere (as TRL's scripts)
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from trl import ModelConfig, TrlParser
 
 from trl_fp8 import FP8GRPOConfig, convert_to_fp8
@@ -106,6 +107,34 @@ def test_the_example_trains_lora_with_trls_model_config_flags(tmp_path, capsys):
     example.main(*args)
     assert "token_mult_prob_error: mean 1.0000" in capsys.readouterr().out  # one FP8 grid with LoRA too
     assert (tmp_path / "adapter_model.safetensors").exists() and not (tmp_path / "model.safetensors").exists()
+
+
+def test_the_example_resumes_from_a_checkpoint_as_trls_scripts_do(tmp_path, capsys):
+    """`--resume_from_checkpoint` (TRL's scripts pass it to `train()`): a run interrupted after its checkpoint at
+    step 1 and resumed from it ends with the weights of the run that went straight through."""
+    example = load_example()
+    parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+
+    def run(output_dir, *flags):
+        args = parser.parse_args_and_config(
+            args=[
+                "--config", str(ROOT / "recipes" / "demo_cpu.yaml"), "--output_dir", str(output_dir),
+                "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none", *flags,
+            ]
+        )  # fmt: skip
+        example.main(*args)
+        return load_file(output_dir / "model.safetensors")
+
+    straight = run(tmp_path / "straight", "--max_steps", "2")
+    assert capsys.readouterr().out.count("'loss':") == 2  # a log line per step
+    run(tmp_path / "resumed", "--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1")
+    capsys.readouterr()
+    checkpoint = tmp_path / "resumed" / "checkpoint-1"
+    resumed = run(tmp_path / "resumed", "--max_steps", "2", "--resume_from_checkpoint", str(checkpoint))
+    assert capsys.readouterr().out.count("'loss':") == 1  # step 2 only: it went on from step 1
+    assert straight.keys() == resumed.keys()
+    for name, t in straight.items():
+        assert torch.equal(resumed[name], t), f"{name} differs after resuming"
 
 
 def test_mismatch_benchmark_quick(tmp_path):
