@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from datasets import load_dataset
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config
+from trl.scripts.grpo import GRPOScriptArguments
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 
@@ -57,25 +58,43 @@ DEMO = "trl-fp8-demo"
 
 
 @dataclass
-class ScriptArguments:
-    dataset_name: str = field(
+class ScriptArguments(GRPOScriptArguments):
+    """TRL's GRPO script arguments (`trl grpo`: the same flags and YAML keys), with the CPU demo as the default task
+    and two more fields."""
+
+    dataset_name: str | None = field(
         default=DEMO,
         metadata={"help": f"Hub or local dataset with a 'prompt' column, or '{DEMO}' for the in-code addition task."},
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Training split."})
-    num_train_samples: int = field(default=2048, metadata={"help": f"Rows of the '{DEMO}' dataset."})
-    reward_funcs: list[str] = field(
+    reward_funcs: list[str] | None = field(
         default_factory=lambda: ["trl_fp8.demo.task.accuracy_reward"],
-        metadata={"help": "Reward functions as dotted import paths (module.function)."},
-    )
+        metadata={"help": "Reward functions: the names TRL's grpo script knows (accuracy_reward, ...) or dotted "
+                  "import paths (module.function)."},
+    )  # fmt: skip
+    num_train_samples: int = field(default=2048, metadata={"help": f"Rows of the '{DEMO}' dataset."})
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png (reward, mismatch) at the end."})
 
 
 def import_reward(path: str):
+    """A reward function from its name in TRL's grpo script (`trl.rewards`, with that script's settings) or its
+    dotted import path."""
+    import trl.rewards
+
+    registry = {
+        "accuracy_reward": trl.rewards.accuracy_reward,
+        "reasoning_accuracy_reward": trl.rewards.reasoning_accuracy_reward,
+        "think_format_reward": trl.rewards.think_format_reward,
+        "get_soft_overlong_punishment": trl.rewards.get_soft_overlong_punishment(
+            max_completion_len=1280, soft_punish_cache=256
+        ),
+    }
+    if path in registry:
+        return registry[path]
     module, _, name = path.rpartition(".")
     if not module:
-        raise ValueError(f"reward_funcs: {path!r} is not a dotted path 'module.function'")
+        raise ValueError(
+            f"reward_funcs: {path!r} is neither one of {list(registry)} nor a dotted path 'module.function'"
+        )
     return getattr(importlib.import_module(module), name)
 
 
@@ -91,20 +110,26 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
     }
+    evaluate = training_args.eval_strategy != "no"
     if script_args.dataset_name == DEMO:
         from trl_fp8.demo.task import make_dataset
 
-        train_dataset = make_dataset(script_args.num_train_samples, seed=training_args.seed)
+        dataset = {script_args.dataset_train_split: make_dataset(script_args.num_train_samples, training_args.seed)}
+        if evaluate:  # other problems, from another seed
+            dataset[script_args.dataset_test_split] = make_dataset(256, training_args.seed + 1)
     else:
-        train_dataset = load_dataset(script_args.dataset_name, script_args.dataset_config)[
-            script_args.dataset_train_split
-        ]
+        dataset = load_dataset(
+            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
+    rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    rewards += [import_reward(p) for p in script_args.reward_funcs or []]
 
     trainer = FP8GRPOTrainer(
         model=model_name,
-        reward_funcs=[import_reward(p) for p in script_args.reward_funcs],
+        reward_funcs=rewards,
         args=training_args,
-        train_dataset=train_dataset,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
         processing_class=AutoTokenizer.from_pretrained(
             model_name,
             padding_side="left",
@@ -141,6 +166,8 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
                 logger.warning("matplotlib is not installed: no plot (pip install matplotlib)")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finishes the trackers, ends the process group
+        trainer.end()
 
 
 if __name__ == "__main__":

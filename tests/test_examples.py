@@ -137,6 +137,35 @@ def test_the_example_resumes_from_a_checkpoint_as_trls_scripts_do(tmp_path, caps
         assert torch.equal(resumed[name], t), f"{name} differs after resuming"
 
 
+def test_the_example_takes_trls_grpo_script_arguments(tmp_path, capsys):
+    """The flags and YAML keys of TRL's `trl grpo` script carry over: its reward names (with its settings), a
+    reward model, and an evaluation split when `eval_strategy` asks for one (the demo's: other problems)."""
+    import trl.rewards
+
+    example = load_example()
+    assert example.import_reward("think_format_reward") is trl.rewards.think_format_reward
+    assert example.import_reward("trl_fp8.demo.task.accuracy_reward") is accuracy_reward
+    with pytest.raises(ValueError, match=r"reward_funcs: 'my_reward' is neither one of \['accuracy_reward'"):
+        example.import_reward("my_reward")
+    parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+    args = parser.parse_args_and_config(
+        args=[
+            "--config", str(ROOT / "recipes" / "demo_cpu.yaml"), "--output_dir", str(tmp_path), "--max_steps", "1",
+            "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
+            "--reward_funcs", "trl_fp8.demo.task.accuracy_reward", "get_soft_overlong_punishment",
+            "--eval_strategy", "steps", "--eval_steps", "1", "--per_device_eval_batch_size", "256",
+            "--num_generations_eval", "2",
+        ]
+    )  # fmt: skip
+    assert args[0].dataset_test_split == "test" and args[0].reward_model_name_or_path is None
+    example.main(*args)
+    out = capsys.readouterr().out
+    # Both rewards score the training and the evaluation rollouts (256 other problems, 2 completions each).
+    for key in ("'rewards/accuracy_reward/mean':", "'eval_rewards/accuracy_reward/mean':", "'eval_reward':"):
+        assert key in out, key
+    assert "'rewards/soft_overlong_punishment_reward/mean':" in out
+
+
 def test_mismatch_benchmark_quick(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "mismatch.py"), "--quick", "--output_dir", str(tmp_path)]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
