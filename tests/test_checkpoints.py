@@ -158,20 +158,38 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-@pytest.mark.parametrize("kv_cache", [False, True], ids=["bf16_kv", "fp8_kv"])
-def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer, kv_cache):
+@pytest.mark.parametrize(
+    "kv_cache,eval_on_start", [(False, False), (True, False), (True, True)], ids=["bf16_kv", "fp8_kv", "eval_on_start"]
+)
+def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer, kv_cache, eval_on_start):
     """With the FP8 KV cache, the checkpoint keeps the batch its next recalibration runs on (beside the RNG state):
-    the resumed run's first scales are the ones the straight run used. (Two ranks: tests/test_distributed.py.)"""
-    straight = trainer_for(tmp_path / "a", demo_tokenizer, fp8_kv_cache=kv_cache)
+    the resumed run's first scales are the ones the straight run used, also when an evaluation on start (before
+    the Trainer restores the RNG states) generates first. (Two ranks: tests/test_distributed.py.)"""
+    evaluation = {}
+    if eval_on_start:  # no other evaluation within the 3 steps
+        evaluation = dict(eval_strategy="steps", eval_steps=100, eval_on_start=True, per_device_eval_batch_size=4)
+
+    def trainer_for(output_dir, **overrides):
+        return FP8GRPOTrainer(
+            model=tiny_policy(demo_tokenizer),
+            reward_funcs=digit_reward,
+            args=tiny_grpo_args(output_dir, learning_rate=0.05, max_steps=3, fp8_kv_cache=kv_cache, **evaluation,
+                                **overrides),
+            train_dataset=make_dataset(32),
+            eval_dataset=make_dataset(8, seed=1) if eval_on_start else None,
+            processing_class=demo_tokenizer,
+        )  # fmt: skip
+
+    straight = trainer_for(tmp_path / "a")
     straight.train()
     # Same schedule (max_steps=3), interrupted after the checkpoint at step 2.
-    first = trainer_for(tmp_path / "b", demo_tokenizer, save_strategy="steps", save_steps=2, fp8_kv_cache=kv_cache)
+    first = trainer_for(tmp_path / "b", save_strategy="steps", save_steps=2)
     first.add_callback(StopAt(2))
     first.train()
     assert first.state.global_step == 2
     kept = tmp_path / "b" / "checkpoint-2" / "fp8_kv_calibration.pt"
     assert kept.is_file() == kv_cache
-    resumed = trainer_for(tmp_path / "b", demo_tokenizer, fp8_kv_cache=kv_cache)
+    resumed = trainer_for(tmp_path / "b")
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{name} differs after resuming")

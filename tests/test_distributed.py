@@ -164,8 +164,9 @@ def test_a_two_rank_run_resumed_from_its_checkpoint_ends_where_the_straight_run_
     """A preempted job restarted from its last checkpoint (`train(resume_from_checkpoint=...)`) under the layouts that
     shard what a checkpoint holds: the optimizer states (ZeRO-2, the recipes'), the parameters too (ZeRO-3; FSDP2,
     whose checkpoints are sharded, `SHARDED_STATE_DICT`). The resumed trainer runs the one step left, on the weights
-    and optimizer state it loaded (no FP8 weight quantized before the load survives it, the FP8 KV cache calibrated
-    afresh), and ends bit for bit where three straight steps end, on both ranks."""
+    and optimizer state it loaded (no FP8 weight quantized before the load survives it; each rank's FP8 KV cache
+    recalibrated on the batch its checkpoint kept), and ends bit for bit where three straight steps end, on both
+    ranks."""
     from test_fsdp import FSDP2_CPU
 
     config = {"zero2": ZERO2_CPU, "zero3": ZERO3_CPU, "fsdp2": FSDP2_CPU}[layout]

@@ -14,7 +14,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.quant import FP8Linear, iter_fp8_state
-from trl_fp8.trainers.checks import check_fsdp_supported
+from trl_fp8.trainers.checks import check_fsdp_supported, check_not_quantized
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
@@ -272,6 +272,27 @@ def test_a_backend_that_cannot_run_here_is_refused_before_anything_changes(tmp_p
         )  # fmt: skip
     assert not any(type(m).__name__ == "FP8Linear" for m in model.modules()) and not hasattr(model, "fp8_recipe")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_quantized_policy_is_refused_before_it_is_loaded(tmp_path, demo_tokenizer):
+    """QLoRA's way (TRL's `quantization_config`, or in `model_init_kwargs`): refused while FP8 is on, naming where it
+    was set, before transformers loads anything (bitsandbytes is not even installed here: loading would fail on
+    that instead); with FP8 off, FP8GRPOTrainer leaves it to TRL. (A model loaded quantized is refused alike, by its
+    `is_quantized`: no quantizer runs on this CPU machine to build one.)"""
+    from transformers import BitsAndBytesConfig
+
+    path = tmp_path / "policy"
+    tiny_policy(demo_tokenizer).save_pretrained(path)
+    kwargs = dict(reward_funcs=digit_reward, train_dataset=make_dataset(8), processing_class=demo_tokenizer)
+    four_bit = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(ValueError, match=r"quantization_config \(the trainer's argument\): the policy is quantized "
+                       r"\(bitsandbytes\).*Load it in bf16"):  # fmt: skip
+        FP8GRPOTrainer(model=str(path), args=tiny_grpo_args(tmp_path), quantization_config=four_bit, **kwargs)
+    args = tiny_grpo_args(tmp_path, fp8_training=False, model_init_kwargs={"quantization_config": four_bit})
+    with pytest.raises(ValueError, match=r"model_init_kwargs\['quantization_config'\]: the policy is quantized"):
+        FP8GRPOTrainer(model=str(path), args=args, **kwargs)
+    off = tiny_grpo_args(tmp_path, fp8_training=False, fp8_generation=False)
+    check_not_quantized(str(path), four_bit, off)  # nothing of FP8 to refuse it for
 
 
 def test_fsdp1_is_refused_at_start_and_fsdp2_taken(tmp_path, demo_tokenizer, monkeypatch):

@@ -155,3 +155,29 @@ def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
             "distribution.",
             ", ".join(truncations),
         )
+
+
+def check_not_quantized(model, quantization_config, args: FP8GRPOConfig) -> None:
+    """Refuses a policy loaded quantized (bitsandbytes, GPTQ, a block-FP8 checkpoint transformers keeps in FP8 on a
+    GPU, ...) while FP8 is on: the learner's FP8 linears and the sampler's weights are quantized from the policy's
+    high-precision weights, which such a model no longer holds. `model` is a path (then only `quantization_config`,
+    the trainer's argument, and `args.model_init_kwargs` can say so before loading) or a loaded model."""
+    if not (args.fp8_training or args.fp8_generation):
+        return
+    from_args = (args.model_init_kwargs or {}).get("quantization_config")
+    if quantization_config is not None:
+        where, config = "quantization_config (the trainer's argument)", quantization_config
+    elif from_args is not None:
+        where, config = "model_init_kwargs['quantization_config']", from_args
+    elif getattr(model, "is_quantized", False) is True:  # transformers: loaded through a quantizer
+        where, config = "the model (loaded quantized)", model.hf_quantizer.quantization_config
+    else:
+        return
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", config)
+    raise ValueError(
+        f"{where}: the policy is quantized ({getattr(method, 'value', method)}), but FP8GRPOTrainer quantizes the "
+        "policy's high-precision weights itself, for the learner (fp8_training) and the sampler (fp8_generation). "
+        "Load it in bf16: FP8 + LoRA trains adapters over an FP8 base as QLoRA does over a 4-bit one (a block-FP8 "
+        "checkpoint loads in bf16 with FineGrainedFP8Config(dequantize=True)); or set fp8_training=False and "
+        "fp8_generation=False."
+    )

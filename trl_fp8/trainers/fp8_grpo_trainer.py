@@ -27,6 +27,7 @@ from ..quant.te_linear import is_te_linear
 from .checks import (
     check_backend_runs_here,
     check_fsdp_supported,
+    check_not_quantized,
     check_peft_config,
     check_peft_targets,
     warn_truncated_sampling,
@@ -97,6 +98,7 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
             check_peft_targets(model, kwargs["peft_config"], args)
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
+        check_not_quantized(model, kwargs.get("quantization_config"), args)
         lora = kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
         fsdp_version = check_fsdp_supported(args, lora=lora)
         warn_truncated_sampling(args)
@@ -122,6 +124,7 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         if args.use_vllm:  # before any forward of the learner (ours and TRL's BF16 engine alike)
             restore_module_call(self.model, self.ref_model)
         self.fp8_backend = "none"
+        check_not_quantized(unwrap_peft(self.accelerator.unwrap_model(self.model)), None, args)  # as loaded
         if is_peft_model(self.accelerator.unwrap_model(self.model)):  # what the skeleton could not check
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
             check_peft_supported(policy, allow_dropout=not args.fp8_training)
@@ -205,9 +208,10 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         if getattr(self.vllm_generation, "kv_cache", False) and batch is not None:
             save_calibration_batch(batch, calibration_file(output_dir, self.args.world_size, self.args.process_index))
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        # The Trainer restores per-rank state here, on resuming, before the first step generates.
-        super()._load_rng_state(checkpoint)
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # On resuming, every rank, before anything generates (also `eval_on_start`'s evaluation, which runs before
+        # the RNG states are restored), whatever `ignore_data_skip` is; TRL restores its own state here too.
+        super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and getattr(self.vllm_generation, "kv_cache", False):
             path = calibration_file(checkpoint, self.args.world_size, self.args.process_index)
             self.vllm_generation.calibration_batch = load_calibration_batch(path)

@@ -3,7 +3,9 @@
 After every optimizer step the sampler's Q/K/V scales are measured again with the updated learner, on a few rows of
 the latest training batch (prompts and completions). That batch is per-rank state like the RNG's: a checkpoint keeps
 it beside `rng_state_{rank}.pth`, so a run resumed from the checkpoint recalibrates on the rows the interrupted run
-would have used and goes on with the same scales (without it, on the next batch's prompts alone)."""
+would have used and goes on with the same scales (without it, on the next batch's prompts alone). (A checkpoint
+between two generations, with `steps_per_generation` above the accumulation steps, loses TRL's buffered rollouts
+whatever this keeps: TRL generates anew on resuming.)"""
 
 import logging
 import os
