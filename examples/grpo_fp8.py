@@ -43,11 +43,13 @@ pow2 scales (repeat the YAML's other recipe fields in it).
 
 import importlib
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 
 from datasets import load_dataset
 from transformers import AutoTokenizer
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl.scripts.grpo import GRPOScriptArguments
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
@@ -67,9 +69,9 @@ class ScriptArguments(GRPOScriptArguments):
         metadata={"help": f"Hub or local dataset with a 'prompt' column, or '{DEMO}' for the in-code addition task."},
     )
     reward_funcs: list[str] | None = field(
-        default_factory=lambda: ["trl_fp8.demo.task.accuracy_reward"],
+        default=None,
         metadata={"help": "Reward functions: the names TRL's grpo script knows (accuracy_reward, ...) or dotted "
-                  "import paths (module.function)."},
+                  f"import paths (module.function). Default: the demo's exact match on '{DEMO}', else none."},
     )  # fmt: skip
     num_train_samples: int = field(default=2048, metadata={"help": f"Rows of the '{DEMO}' dataset."})
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png (reward, mismatch) at the end."})
@@ -95,6 +97,8 @@ def import_reward(path: str):
         raise ValueError(
             f"reward_funcs: {path!r} is neither one of {list(registry)} nor a dotted path 'module.function'"
         )
+    if os.getcwd() not in sys.path:  # as TRL's script: a module beside where the job was launched
+        sys.path.insert(0, os.getcwd())
     return getattr(importlib.import_module(module), name)
 
 
@@ -115,14 +119,17 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         from trl_fp8.demo.task import make_dataset
 
         dataset = {script_args.dataset_train_split: make_dataset(script_args.num_train_samples, training_args.seed)}
-        if evaluate:  # other problems, from another seed
+        if evaluate:  # another draw of problems (another seed)
             dataset[script_args.dataset_test_split] = make_dataset(256, training_args.seed + 1)
     else:
         dataset = load_dataset(
             script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
         )
     rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
-    rewards += [import_reward(p) for p in script_args.reward_funcs or []]
+    reward_funcs = script_args.reward_funcs
+    if reward_funcs is None and script_args.dataset_name == DEMO:
+        reward_funcs = ["trl_fp8.demo.task.accuracy_reward"]
+    rewards += [import_reward(p) for p in reward_funcs or []]
 
     trainer = FP8GRPOTrainer(
         model=model_name,
@@ -136,6 +143,7 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
             revision=model_args.model_revision,
             trust_remote_code=training_args.trust_remote_code,  # Moonlight's tokenizer is custom code
         ),
+        quantization_config=get_quantization_config(model_args),  # refused with FP8 on, naming the field
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # as TRL's scripts

@@ -119,7 +119,8 @@ def test_the_example_resumes_from_a_checkpoint_as_trls_scripts_do(tmp_path, caps
         args = parser.parse_args_and_config(
             args=[
                 "--config", str(ROOT / "recipes" / "demo_cpu.yaml"), "--output_dir", str(output_dir),
-                "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none", *flags,
+                "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
+                "--lr_scheduler_type", "constant", *flags,
             ]
         )  # fmt: skip
         example.main(*args)
@@ -127,6 +128,7 @@ def test_the_example_resumes_from_a_checkpoint_as_trls_scripts_do(tmp_path, caps
 
     straight = run(tmp_path / "straight", "--max_steps", "2")
     assert capsys.readouterr().out.count("'loss':") == 2  # a log line per step
+    # (The interrupted run's schedule is 1 step long: equal to the straight run's only as the demo's LR is constant.)
     run(tmp_path / "resumed", "--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1")
     capsys.readouterr()
     checkpoint = tmp_path / "resumed" / "checkpoint-1"
@@ -164,6 +166,39 @@ def test_the_example_takes_trls_grpo_script_arguments(tmp_path, capsys):
     for key in ("'rewards/accuracy_reward/mean':", "'eval_rewards/accuracy_reward/mean':", "'eval_reward':"):
         assert key in out, key
     assert "'rewards/soft_overlong_punishment_reward/mean':" in out
+
+
+def test_the_example_refuses_what_trls_script_would_load_otherwise(tmp_path, monkeypatch):
+    """Off the demo, no reward is added unasked (TRL then names what is missing); a 4-bit policy (`--load_in_4bit`,
+    QLoRA's) is refused before it is loaded; a reward module beside the launch directory imports, as with TRL."""
+    example = load_example()
+    parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
+
+    config = tmp_path / "no_reward.yaml"  # the demo's, less its reward
+    config.write_text((ROOT / "recipes" / "demo_cpu.yaml").read_text().replace(
+        "reward_funcs:\n  - trl_fp8.demo.task.accuracy_reward\n", ""))  # fmt: skip
+    assert "reward_funcs" not in config.read_text()
+
+    def main(*flags):
+        args = parser.parse_args_and_config(
+            args=["--config", str(config), "--output_dir", str(tmp_path / "out"),
+                  "--max_steps", "1", "--per_device_train_batch_size", "8", "--no_plot", *flags]
+        )  # fmt: skip
+        example.main(*args)
+
+    with pytest.raises(ValueError, match="No reward source provided"):
+        main("--dataset_name", str(data))
+    with pytest.raises(ValueError, match=r"quantization_config \(the trainer's argument\): the policy is quantized"):
+        main("--load_in_4bit")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rewards.py").write_text(
+        "def length(completions, **kwargs):\n    return [len(c) for c in completions]\n"
+    )
+    assert example.import_reward("my_rewards.length")(["ab", "c"]) == [2, 1]
 
 
 def test_mismatch_benchmark_quick(tmp_path):
