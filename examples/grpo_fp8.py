@@ -36,7 +36,10 @@ or FSDP2, on GPUs (accelerate runs FSDP configs on accelerators only):
     accelerate launch --config_file examples/accelerate_configs/fsdp2_8gpu.yaml examples/grpo_fp8.py \
         --config <your recipe>.yaml
 
-Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the YAML or overridden on the command line. An override
+The script arguments are TRL's `trl grpo` script's (`reward_funcs` by TRL's names or dotted paths,
+`reward_model_name_or_path`, `dataset_test_split`, ...), so a config written for it runs here in FP8; resume a job
+with `--resume_from_checkpoint <output_dir>/checkpoint-N`. Any `FP8GRPOConfig` / `GRPOConfig` field can be set in the
+YAML or overridden on the command line. An override
 replaces the YAML's value whole: `--fp8_recipe '{"pow2_scales": true}'` is that recipe, not the YAML's recipe with
 pow2 scales (repeat the YAML's other recipe fields in it).
 """
