@@ -14,9 +14,11 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
+from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
 from trl_fp8.quant import FP8Linear, dequantize_blockwise
 from trl_fp8.quant.export import save_fp8_checkpoint
 from trl_fp8.recipe import RECIPE_NAME
+from trl_fp8.trainers.checkpoints import checkpoint_keys
 
 
 def test_recipe_round_trip(tmp_path):
@@ -158,20 +160,49 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+def test_a_checkpoint_in_the_original_layout_loads_whole_or_not_at_all(tmp_path, demo_tokenizer):
+    """`load_converted_checkpoint`: a plain model's checkpoint is left to the Trainer's `load_state_dict`; a MoE's
+    (experts one by one on disk) loads through `from_pretrained`, every tensor; one of another shape (an extra
+    layer) is refused, naming what it misses, before the model is touched."""
+    from trl_fp8.trainers.checkpoints import load_converted_checkpoint
+
+    tiny_policy(demo_tokenizer).save_pretrained(tmp_path / "dense")
+    assert not load_converted_checkpoint(tiny_policy(demo_tokenizer), str(tmp_path / "dense"))
+    saved = tiny_qwen3_moe(demo_tokenizer, seed=1)
+    saved.save_pretrained(tmp_path / "moe")
+    model = convert_to_fp8(tiny_qwen3_moe(demo_tokenizer, seed=2), FP8Recipe())
+    assert load_converted_checkpoint(model, str(tmp_path / "moe"))
+    for name, t in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    deeper = tiny_qwen3_moe(demo_tokenizer, seed=2)
+    deeper.model.layers.append(deeper.model.layers[-1])
+    before = {n: t.clone() for n, t in deeper.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"does not hold Qwen3MoeForCausalLM's tensors once converted \(missing "
+                       r"\['model.layers.2."):  # fmt: skip
+        load_converted_checkpoint(deeper, str(tmp_path / "moe"))
+    assert all(torch.equal(t, before[n]) for n, t in deeper.state_dict().items())
+
+
 @pytest.mark.parametrize(
-    "kv_cache,eval_on_start", [(False, False), (True, False), (True, True)], ids=["bf16_kv", "fp8_kv", "eval_on_start"]
+    "kv_cache,eval_on_start,moe",
+    [(False, False, False), (True, False, False), (True, True, False), (False, False, True)],
+    ids=["bf16_kv", "fp8_kv", "eval_on_start", "moe"],
 )
-def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_tokenizer, kv_cache, eval_on_start):
+def test_resume_from_checkpoint_continues_with_the_same_numbers(
+    tmp_path, demo_tokenizer, kv_cache, eval_on_start, moe
+):
     """With the FP8 KV cache, the checkpoint keeps the batch its next recalibration runs on (beside the RNG state):
     the resumed run's first scales are the ones the straight run used, also when an evaluation on start (before
-    the Trainer restores the RNG states) generates first. (Two ranks: tests/test_distributed.py.)"""
+    the Trainer restores the RNG states) generates first. A MoE's checkpoint holds its experts one by one (the
+    original layout `save_pretrained` writes), which the Trainer's own loading would not read back: they are
+    restored through `from_pretrained`. (Two ranks: tests/test_distributed.py.)"""
     evaluation = {}
     if eval_on_start:  # no other evaluation within the 3 steps
         evaluation = dict(eval_strategy="steps", eval_steps=100, eval_on_start=True, per_device_eval_batch_size=4)
 
     def trainer_for(output_dir, **overrides):
         return FP8GRPOTrainer(
-            model=tiny_policy(demo_tokenizer),
+            model=tiny_qwen3_moe(demo_tokenizer) if moe else tiny_policy(demo_tokenizer),
             reward_funcs=digit_reward,
             args=tiny_grpo_args(output_dir, learning_rate=0.05, max_steps=3, fp8_kv_cache=kv_cache, **evaluation,
                                 **overrides),
@@ -189,6 +220,8 @@ def test_resume_from_checkpoint_continues_with_the_same_numbers(tmp_path, demo_t
     assert first.state.global_step == 2
     kept = tmp_path / "b" / "checkpoint-2" / "fp8_kv_calibration.pt"
     assert kept.is_file() == kv_cache
+    saved_keys = checkpoint_keys(str(tmp_path / "b" / "checkpoint-2"))
+    assert any(".mlp.experts.0.gate_proj." in k for k in saved_keys) == moe
     resumed = trainer_for(tmp_path / "b")
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):

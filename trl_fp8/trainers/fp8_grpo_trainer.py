@@ -24,6 +24,7 @@ from ..quant.export import save_fp8_checkpoint, stream_checkpoint_names
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.te_linear import is_te_linear
+from .checkpoints import load_converted_checkpoint
 from .checks import (
     check_backend_runs_here,
     check_fsdp_supported,
@@ -200,6 +201,14 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         # restarts `global_step`, and its first generation could then find them equal and sample with the old weights.
         self._last_loaded_step = -1
         return super().train(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # A checkpoint save_pretrained wrote in the original key layout (MoE experts, per expert) would be read
+        # back by a plain load_state_dict matching none of those keys (see `.checkpoints`).
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled  # their checkpoints hold the module's own keys
+        if sharded or is_peft_model(target) or not load_converted_checkpoint(target, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_rng_state(self, output_dir: str) -> None:
         # A checkpoint's per-rank state: the FP8 KV cache's next calibration batch goes beside the RNG states.
