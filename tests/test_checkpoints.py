@@ -1,5 +1,6 @@
 """Recipes and checkpoints: round trips through local folders (the Hub path is the same code with a repo id)."""
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -181,6 +182,35 @@ def test_a_checkpoint_in_the_original_layout_loads_whole_or_not_at_all(tmp_path,
                        r"\['model.layers.2."):  # fmt: skip
         load_converted_checkpoint(deeper, str(tmp_path / "moe"))
     assert all(torch.equal(t, before[n]) for n, t in deeper.state_dict().items())
+
+
+def test_load_best_model_at_end_restores_a_moes_experts(tmp_path, demo_tokenizer):
+    """`load_best_model_at_end` reads the best checkpoint as a resume does (a MoE's through `from_pretrained`): the
+    run ends holding every tensor of that checkpoint, the first here (each call of the reward scores lower), not the
+    experts of the last step."""
+    calls = itertools.count()
+
+    def falling(completions, **kwargs):
+        call = next(calls)
+        return [0.1 * i - call for i in range(len(completions))]  # distinct within a group, lower at every call
+
+    args = tiny_grpo_args(
+        tmp_path, learning_rate=0.05, max_steps=3, save_strategy="steps", save_steps=1, eval_strategy="steps",
+        eval_steps=1, per_device_eval_batch_size=4, load_best_model_at_end=True, metric_for_best_model="reward",
+    )  # fmt: skip
+    trainer = FP8GRPOTrainer(
+        model=tiny_qwen3_moe(demo_tokenizer), reward_funcs=falling, args=args, train_dataset=make_dataset(32),
+        eval_dataset=make_dataset(8, seed=1), processing_class=demo_tokenizer,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
+    best = AutoModelForCausalLM.from_pretrained(trainer.state.best_model_checkpoint).state_dict()
+    last = load_file(tmp_path / "checkpoint-3" / "model.safetensors")
+    assert any(
+        not torch.equal(t, last[n]) for n, t in load_file(tmp_path / "checkpoint-1" / "model.safetensors").items()
+    )
+    for name, t in trainer.model.state_dict().items():
+        assert torch.equal(t, best[name]), f"{name} is not the best checkpoint's"
 
 
 @pytest.mark.parametrize(
