@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers.trainer
 from conftest import tiny_grpo_args, tiny_policy
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
@@ -163,8 +163,8 @@ class StopAt(TrainerCallback):
 
 def test_a_checkpoint_in_the_original_layout_loads_whole_or_not_at_all(tmp_path, demo_tokenizer):
     """`load_converted_checkpoint`: a plain model's checkpoint is left to the Trainer's `load_state_dict`; a MoE's
-    (experts one by one on disk) loads through `from_pretrained`, every tensor; one of another shape (an extra
-    layer) is refused, naming what it misses, before the model is touched."""
+    (experts one by one on disk) loads through `from_pretrained`, every tensor in its own dtype; one that lacks a
+    tensor of the model is refused, naming it, before the model is touched."""
     from trl_fp8.trainers.checkpoints import load_converted_checkpoint
 
     tiny_policy(demo_tokenizer).save_pretrained(tmp_path / "dense")
@@ -175,13 +175,28 @@ def test_a_checkpoint_in_the_original_layout_loads_whole_or_not_at_all(tmp_path,
     assert load_converted_checkpoint(model, str(tmp_path / "moe"))
     for name, t in saved.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
+    # Mixed dtypes (bf16 layers, an fp32 lm_head as `cast_lm_head_to_fp32` makes them): each tensor exactly.
+    mixed = tiny_qwen3_moe(demo_tokenizer, seed=1).to(torch.bfloat16)
+    mixed.lm_head.float().weight.data.normal_(std=0.02)  # values bf16 cannot hold
+    mixed.save_pretrained(tmp_path / "mixed")
+    model = tiny_qwen3_moe(demo_tokenizer, seed=2).to(torch.bfloat16)
+    model.lm_head.float()
+    assert load_converted_checkpoint(model, str(tmp_path / "mixed"))
+    for name, t in mixed.state_dict().items():
+        assert model.state_dict()[name].dtype == t.dtype and torch.equal(model.state_dict()[name], t), name
+    # A tensor the checkpoint lacks (from_pretrained would initialize it afresh) or a model with more: refused,
+    # naming them, before the model is touched.
+    weights = load_file(tmp_path / "moe" / "model.safetensors")
+    del weights["model.layers.0.self_attn.q_proj.weight"]
+    save_file(weights, tmp_path / "moe" / "model.safetensors", metadata={"format": "pt"})
     deeper = tiny_qwen3_moe(demo_tokenizer, seed=2)
     deeper.model.layers.append(deeper.model.layers[-1])
-    before = {n: t.clone() for n, t in deeper.state_dict().items()}
-    with pytest.raises(RuntimeError, match=r"does not hold Qwen3MoeForCausalLM's tensors once converted \(missing "
-                       r"\['model.layers.2."):  # fmt: skip
-        load_converted_checkpoint(deeper, str(tmp_path / "moe"))
-    assert all(torch.equal(t, before[n]) for n, t in deeper.state_dict().items())
+    for target, name in ((tiny_qwen3_moe(demo_tokenizer, seed=2), "layers.0.self_attn.q_proj"), (deeper, "layers.2.")):
+        before = {n: t.clone() for n, t in target.state_dict().items()}
+        with pytest.raises(RuntimeError, match=rf"load_best_model_at_end: .* does not hold every tensor of "
+                           rf"Qwen3MoeForCausalLM once converted: missing \[.*'model\.{name}"):  # fmt: skip
+            load_converted_checkpoint(target, str(tmp_path / "moe"), "load_best_model_at_end")
+        assert all(torch.equal(t, before[n]) for n, t in target.state_dict().items())
 
 
 def test_load_best_model_at_end_restores_a_moes_experts(tmp_path, demo_tokenizer):

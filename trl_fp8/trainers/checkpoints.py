@@ -13,6 +13,7 @@ import json
 import logging
 import os
 
+import torch
 from safetensors import safe_open
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
@@ -34,12 +35,15 @@ def checkpoint_keys(checkpoint: str) -> set[str] | None:
     return None
 
 
-def load_converted_checkpoint(model: nn.Module, checkpoint: str) -> bool:
+def load_converted_checkpoint(model: nn.Module, checkpoint: str, caller: str = "resume_from_checkpoint") -> bool:
     """Loads `checkpoint` into `model` through `from_pretrained` (its weight conversions applied) when the checkpoint
     holds keys the model does not have; returns whether it did (`False`: a plain `load_state_dict` reads it whole).
 
-    Holds a second copy of the weights on the CPU meanwhile. Raises if the converted checkpoint still misses or adds
-    a tensor of the model, naming them: a resume must not go on with weights it did not restore."""
+    Every tensor the model saves must come from the checkpoint, else it raises naming them (`caller`, the Trainer
+    argument that asked, in the message) before the model is touched: `from_pretrained` would fill a missing one
+    with a fresh initialization, which a resume must not copy in. The weights are read in their own dtypes (in
+    fp32 where the model mixes dtypes, e.g. an fp32 lm_head beside bf16 layers: exact for both). Holds a second copy
+    of the weights on the CPU meanwhile, on every rank."""
     keys = checkpoint_keys(checkpoint)
     own = model.state_dict()
     if keys is None or keys <= set(own):  # (tied weights are saved once: fewer keys, never others)
@@ -52,13 +56,18 @@ def load_converted_checkpoint(model: nn.Module, checkpoint: str) -> bool:
         len(keys - set(own)),
         sorted(keys - set(own))[0],
     )
-    loaded = type(model).from_pretrained(checkpoint, dtype="auto", device_map=None)
-    state = loaded.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
+    dtypes = {t.dtype for t in own.values() if t.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    loaded, info = type(model).from_pretrained(checkpoint, dtype=dtype, device_map=None, output_loading_info=True)
+    not_saved = set(getattr(model, "_keys_to_ignore_on_save", None) or [])  # they keep the model's own values
+    mismatched = {k if isinstance(k, str) else k[0] for k in info["mismatched_keys"]}  # (key, shapes...) tuples
+    missing = sorted((set(info["missing_keys"]) | mismatched) - not_saved)
+    state = {n: t for n, t in loaded.state_dict().items() if n not in not_saved}
+    missing += sorted(set(own) - set(state) - not_saved)
+    if missing or set(state) - set(own):
         raise RuntimeError(
-            f"resume_from_checkpoint: {checkpoint} does not hold {type(model).__name__}'s tensors once converted "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"{caller}: {checkpoint} does not hold every tensor of {type(model).__name__} once converted: missing "
+            f"{missing[:5]}, unexpected {sorted(set(state) - set(own))[:5]}"
         )
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not not_saved)
     return True

@@ -203,20 +203,20 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         return super().train(*args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if not self._loaded_in_original_layout(resume_from_checkpoint, model):
+        if not self._loaded_in_original_layout(resume_from_checkpoint, "resume_from_checkpoint", model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
-        if not self._loaded_in_original_layout(self.state.best_model_checkpoint):
+        if not self._loaded_in_original_layout(self.state.best_model_checkpoint, "load_best_model_at_end"):
             super()._load_best_model()
 
-    def _loaded_in_original_layout(self, checkpoint: str, model: nn.Module | None = None) -> bool:
+    def _loaded_in_original_layout(self, checkpoint: str, caller: str, model: nn.Module | None = None) -> bool:
         # A checkpoint save_pretrained wrote in the original key layout (MoE experts, one by one) would be read back
         # by the Trainer's plain load_state_dict, matching none of those keys (see `.checkpoints`).
-        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        target = self.accelerator.unwrap_model(model if model is not None else self.model, keep_torch_compile=False)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled or is_peft_model(target):  # their own keys / adapters
             return False
-        return load_converted_checkpoint(target, checkpoint)
+        return load_converted_checkpoint(target, checkpoint, caller)
 
     def _save_rng_state(self, output_dir: str) -> None:
         # A checkpoint's per-rank state: the FP8 KV cache's next calibration batch goes beside the RNG states.
