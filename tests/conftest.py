@@ -144,6 +144,20 @@ def holds_its_own_fp8_weight(module) -> bool:
     return torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
 
 
+def fsdp2_too_old() -> str:
+    """Why FP8GRPOTrainer refuses FSDP2 with the installed packages (`trl_fp8.trainers.checks.FSDP2_FLOORS`), or ''."""
+    from packaging.version import Version
+
+    from trl_fp8.trainers.checks import FSDP2_FLOORS, installed_version
+
+    old = [
+        f"{p} {installed_version(p)} < {v}"
+        for p, v in FSDP2_FLOORS.items()
+        if Version(installed_version(p)) < Version(v)
+    ]
+    return f"FSDP2 is refused with {', '.join(old)}" if old else ""
+
+
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

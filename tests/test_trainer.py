@@ -299,6 +299,7 @@ def test_fsdp1_is_refused_at_start_and_fsdp2_taken(tmp_path, demo_tokenizer, mon
     """FSDP1 (from TrainingArguments or `accelerate launch`'s environment, where it is the default): refused before
     GRPOTrainer builds anything, naming what works instead. FSDP2 (TrainingArguments' default version) is taken; it
     runs in tests/test_fsdp.py."""
+    monkeypatch.setattr("trl_fp8.trainers.checks.FSDP2_FLOORS", {})  # (the version floors: the next test)
     kwargs = dict(reward_funcs=digit_reward, train_dataset=make_dataset(8), processing_class=demo_tokenizer)
     fsdp1 = tiny_grpo_args(tmp_path, fsdp=True, fsdp_config={"version": 1})
     with pytest.raises(NotImplementedError, match=r"supports FSDP2, not FSDP1.*fsdp_version: 2.*ZeRO-2.*ZeRO-3"):
@@ -321,6 +322,21 @@ def test_fsdp1_is_refused_at_start_and_fsdp2_taken(tmp_path, demo_tokenizer, mon
     by_size = tiny_grpo_args(tmp_path, fsdp=True, fsdp_config={"min_num_params": 1000})
     with pytest.raises(NotImplementedError, match=r"SIZE_BASED_WRAP / min_num_params"):
         check_fsdp_supported(by_size, lora=True)
+
+
+def test_fsdp2_is_refused_below_the_versions_it_was_tested_with(tmp_path, monkeypatch):
+    """torch < 2.10 or accelerate < 1.15 under FSDP2: refused at start, naming both (torch 2.9's FSDP2 computed other
+    gradients than DDP in tests/test_fsdp.py, accelerate 1.14 wrapped other modules). The version lookup is replaced:
+    one process cannot hold two torches."""
+    from trl_fp8.trainers import checks
+
+    monkeypatch.setattr(checks, "installed_version", {"torch": "2.9.1", "accelerate": "1.14.0"}.get)
+    with pytest.raises(NotImplementedError, match=r"torch 2\.9\.1 \(FSDP2 needs >= 2\.10\), accelerate 1\.14\.0 "
+                       r"\(FSDP2 needs >= 1\.15\).*ZeRO-2"):  # fmt: skip
+        check_fsdp_supported(tiny_grpo_args(tmp_path, fsdp=True))
+    assert check_fsdp_supported(tiny_grpo_args(tmp_path)) is None  # no FSDP: nothing to refuse
+    monkeypatch.setattr(checks, "installed_version", {"torch": "2.10.0", "accelerate": "1.15.0"}.get)
+    assert check_fsdp_supported(tiny_grpo_args(tmp_path, fsdp=True)) == 2
 
 
 def test_rejects_a_plain_grpo_config(tmp_path, demo_tokenizer):

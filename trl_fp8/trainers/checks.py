@@ -2,10 +2,12 @@
 setting, so a failed start changes nothing."""
 
 import copy
+import importlib.metadata
 import logging
 import os
 
 import torch
+from packaging.version import Version
 
 from ..quant.backends import resolve_backend
 from ..quant.te_linear import te_recipe_status
@@ -63,6 +65,14 @@ def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
     check_peft_supported(skeleton.get_base_model(), allow_dropout=not args.fp8_training)  # the checkpoint's names
 
 
+# The oldest releases FSDP2 was tested with (tests/test_fsdp.py); below them it is refused at start.
+FSDP2_FLOORS = {"torch": "2.10", "accelerate": "1.15"}
+
+
+def installed_version(package: str) -> str:
+    return importlib.metadata.version(package).split("+")[0]
+
+
 def check_fsdp_supported(args: FP8GRPOConfig, lora: bool = False) -> int | None:
     """The FSDP version `TrainingArguments` (`fsdp`, `fsdp_config["version"]`, 2 by default) or `accelerate launch`
     (`ACCELERATE_USE_FSDP`, `FSDP_VERSION`, 1 by default) ask for, or `None`. Refuses FSDP1 at start: its flat
@@ -82,6 +92,18 @@ def check_fsdp_supported(args: FP8GRPOConfig, lora: bool = False) -> int | None:
             f"FP8GRPOTrainer supports FSDP2, not FSDP{version}: set `fsdp_version: 2` in the accelerate config "
             "(examples/accelerate_configs/fsdp2_8gpu.yaml) or fsdp_config={'version': 2}; or use DeepSpeed ZeRO-2 "
             "(examples/accelerate_configs/zero2_8gpu.yaml), as the recipes do, or ZeRO-3."
+        )
+    too_old = [
+        f"{package} {installed_version(package)} (FSDP2 needs >= {floor})"
+        for package, floor in FSDP2_FLOORS.items()
+        if Version(installed_version(package)) < Version(floor)
+    ]
+    if too_old:
+        raise NotImplementedError(
+            f"FP8GRPOTrainer under FSDP2 needs newer packages than the rest of trl-fp8: {', '.join(too_old)}. "
+            "Those are the oldest it was tested with: on two CPU processes, torch 2.9's FSDP2 computed gradients that "
+            "differ from DDP's, and accelerate 1.14 wraps other modules for activation checkpointing. Upgrade them, "
+            "or use DeepSpeed ZeRO-2 (the recipes' layout) or ZeRO-3."
         )
     if lora and by_size and args.fp8_training:
         raise NotImplementedError(

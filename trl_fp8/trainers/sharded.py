@@ -60,6 +60,8 @@ def reference_converted_before_wrapping(trainer):
         def prepare(model, accelerator):
             if model is getattr(trainer, "ref_model", None):
                 convert_reference(trainer, model)
+                if original is originals["prepare_fsdp"] and loaded_on_rank_0_only(accelerator):
+                    return wrapped_with_rank_0_weights(original, model, accelerator)
             return original(model, accelerator)
 
         return prepare
@@ -86,3 +88,25 @@ def convert_reference(trainer, ref_model: nn.Module) -> None:
         prepare_for_zero3(ref_model)
     elif how == "fsdp2":
         prepare_for_fsdp2(ref_model)
+
+
+def loaded_on_rank_0_only(accelerator) -> bool:
+    """FSDP2 with `fsdp_cpu_ram_efficient_loading` (TRL's fsdp2.yaml): transformers up to at least 5.17 then loads the
+    weights on rank 0 only, the other ranks holding zeros until accelerate's FSDP2 preparation broadcasts rank 0's
+    (transformers 5.24 loads them on every rank)."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return plugin is not None and plugin.fsdp_version == 2 and bool(plugin.cpu_ram_efficient_loading)
+
+
+def wrapped_with_rank_0_weights(prepare_fsdp, model: nn.Module, accelerator) -> nn.Module:
+    """TRL's `prepare_fsdp` with rank 0's weights broadcast into the units afterwards, as accelerate's FSDP2
+    preparation does for the policy (`fsdp2_load_full_state_dict`): without it, a reference model loaded on rank 0
+    only keeps zeros on the other ranks, and their KL term measures the policy against them."""
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    full_state = model.state_dict()  # whole, before the units shard it (what counts is rank 0's)
+    wrapped = prepare_fsdp(model, accelerator)
+    offload = isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
+    fsdp2_load_full_state_dict(accelerator, wrapped, full_state, cpu_offload=offload)
+    return wrapped
