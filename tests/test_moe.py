@@ -135,6 +135,9 @@ def test_fp8_grpo_trains_moe_end_to_end(tmp_path, demo_tokenizer, build, recipe)
     for key in ("sampling/token_mult_prob_error", "fp8/router_mismatch"):
         assert all(key in log for log in logs), key
     assert all(0.0 <= log["fp8/router_mismatch"] <= 1.0 for log in logs)
+    if build is qwen3_moe:  # its config's router_aux_loss_coef (0.001) turns TRL's load-balancing loss on
+        assert trainer.aux_loss_enabled
+        assert all(log["aux_loss"] > 0 and torch.isfinite(torch.tensor(log["aux_loss"])) for log in logs)
     for n, p in trainer.model.named_parameters():
         assert not torch.equal(p, before[n]), f"parameter {n} did not change"
 

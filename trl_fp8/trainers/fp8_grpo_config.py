@@ -25,6 +25,7 @@ class FP8GRPOConfig(GRPOConfig):
         fp8_recipe (`FP8Recipe`, `dict`, `str` or `None`, *optional*, defaults to `None`):
             The FP8 recipe: an [`FP8Recipe`], a dict of its fields (or that dict as a JSON string, from the command
             line), a path to a recipe file / a folder holding `fp8_recipe.json`, or a Hub id of such a folder.
+            An `FP8Recipe` or a dict is stored as the dict of its fields (JSON, as `TrainingArguments` saves itself).
             `None` means `FP8Recipe()`:
             E4M3, 128x128 weight blocks, 1x128 activation blocks, fp32 scales.
         fp8_training (`bool`, *optional*, defaults to `True`):
@@ -56,9 +57,9 @@ class FP8GRPOConfig(GRPOConfig):
             Extra keyword arguments for `vllm.LLM(...)` when `use_vllm=True` (a JSON string from the command line),
             e.g. `{"enforce_eager": true, "max_num_batched_tokens": 8192}`. The keys the engine sets itself (model,
             quantization, load_format, seed, tensor_parallel_size, kv_cache_dtype, ...) are refused with the config
-            field to use instead. Only `vllm_mode="colocate"` is supported. With `fp8_generation=False` TRL's own
-            BF16 vLLM engine samples (no `fp8/sync_*` metrics), configured by TRL's `vllm_*` fields: these are then
-            refused.
+            field to use instead. Only `vllm_mode="colocate"` is supported. Refused unless `use_vllm=True` and
+            `fp8_generation=True`: with `fp8_generation=False` TRL's own BF16 vLLM engine samples (no `fp8/sync_*`
+            metrics), configured by TRL's `vllm_*` fields.
         fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
             Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
             `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch.
@@ -67,8 +68,9 @@ class FP8GRPOConfig(GRPOConfig):
 
         vllm_importance_sampling_mode (`str`, *optional*, defaults to `"token_truncate"`):
             Token-level truncated importance sampling, the FP8 recipe's correction (NeMo RL, verl, slime).
-        vllm_importance_sampling_clip_max (`float`, *optional*, defaults to `2.0`):
-            The truncation cap C of token-level TIS that NeMo RL, verl and slime use.
+        vllm_importance_sampling_clip_max (`float` or `None`, *optional*, defaults to `2.0`):
+            The truncation cap C of token-level TIS that NeMo RL, verl and slime use (`None`: no upper cap, as in
+            TRL).
 
     The importance-sampling fields keep their TRL names (`vllm_importance_sampling_*`) but apply to whichever
     engine samples.
