@@ -115,6 +115,20 @@ def test_experts_keep_the_models_clamped_activation_in_the_learner_and_the_sampl
         assert sqnr_db(reference, sampler(x, top_k_index, top_k_weights)) > 20
 
 
+@pytest.mark.parametrize("family", families(*FAMILIES))
+def test_each_family_config_names_the_kv_heads_its_weights_hold(family):
+    """vLLM sizes its attention from the config (`num_key_value_heads`, else `num_attention_heads`), also where it
+    serves a family through its Transformers backend, which runs the model's own projections (GPT-NeoX from vLLM
+    0.32): a tiny config naming other KV heads than its weights hold samples from another model than the learner's."""
+    model = tiny(family)
+    config = model.config
+    named = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    name, k = next((n, m) for n, m in model.named_modules() if n.endswith(("k_proj", "query_key_value")))
+    held = k.out_features // (3 * head_dim if name.endswith("query_key_value") else head_dim)  # q, k, v per head
+    assert named == held, f"{family}: the config names {named} KV heads, {name} holds {held}"
+
+
 @pytest.mark.skipif(not available("deepseek_v4"), reason="transformers has no DeepSeek-V4")
 def test_a_linear_with_a_forward_of_its_own_stays_in_high_precision():
     model = tiny("deepseek_v4").eval()

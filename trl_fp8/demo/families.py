@@ -11,6 +11,7 @@ TINY = dict(
     num_key_value_heads=2, head_dim=64, max_position_embeddings=64, tie_word_embeddings=False,
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
+UNSET = object()  # a TINY field left out of a family's config
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
 HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])  # Gated DeltaNet + attention
 FAMILIES = {
@@ -35,7 +36,14 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     # q/k/v interleaved per head in one `query_key_value`; heads of 128 keep vLLM's re-ordering on the block grid.
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(hidden_size=512, head_dim=128)),
+    # GPT-NeoX has no GQA, and a real config no `num_key_value_heads` (`UNSET`): TINY's 2 left in it made vLLM >= 0.32,
+    # which serves GPT-NeoX through its Transformers backend and reads that field, run 2 KV heads where the model has 4
+    # (and a null in config.json fails vLLM 0.32's config validation).
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(hidden_size=512, head_dim=128, num_key_value_heads=UNSET),
+    ),
 }
 V4 = dict(
     moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, num_key_value_heads=1,
@@ -72,7 +80,8 @@ def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A seeded tiny model of `family` (a key of `FAMILIES` or `LAYERS_ONLY`), its config updated by `overrides`."""
     config_class, model_class, extra = (FAMILIES | LAYERS_ONLY)[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**(TINY | extra | overrides))
+    fields = {k: v for k, v in (TINY | extra | overrides).items() if v is not UNSET}
+    config = getattr(transformers, config_class)(**fields)
     return getattr(transformers, model_class)(config)
 
 
