@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fsdp2_too_old, launch_two_processes, tiny_policy
+from conftest import launch_two_processes, needs_fsdp2, tiny_policy
 from safetensors.torch import load_file
 
 from trl_fp8.demo.make_model import build_tokenizer
@@ -157,7 +157,7 @@ RESUME = SCRIPT.with_name("resume_two_ranks.py")
     [
         pytest.param("zero2", marks=needs_deepspeed),
         pytest.param("zero3", marks=needs_deepspeed),
-        pytest.param("fsdp2", marks=pytest.mark.skipif(bool(fsdp2_too_old()), reason=fsdp2_too_old())),
+        pytest.param("fsdp2", marks=needs_fsdp2()),
     ],
 )
 def test_a_two_rank_run_resumed_from_its_checkpoint_ends_where_the_straight_run_does(tmp_path, layout):

