@@ -9,10 +9,12 @@ traffic). The static half of a performance check, for the sessions that have no 
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import triton
@@ -113,57 +115,78 @@ def resources(kernel) -> dict:
     return out
 
 
-def gemm_rows(configs=None) -> list[dict]:
-    """`gemm_kernel` for every autotune config, with 128x128 weight scales (fprop, dgrad) and 1x128 (wgrad)."""
-    rows = []
-    for cfg in configs or tg.configs:
+def compile_row(job: dict) -> dict:
+    """`resources` of one kernel: `job["fn"]` (a kernel of `triton_gemm_kernels` or `triton_kernels`, by name)
+    compiled with `job`'s argument spec (a name of this module's), constexprs, warps and stages. A worker's task."""
+    module = tg if hasattr(tg, job["fn"]) else tk
+    fn, spec = getattr(module, job["fn"]), globals()[job["spec"]]
+    return resources(compile_sm90(fn, spec, job["const"], job["num_warps"], job["num_stages"]))
+
+
+def compile_rows(jobs: list[dict], workers: int | None = None) -> list[dict]:
+    """Every job compiled, one process per core (each compile is single-threaded Python and ptxas); each row named
+    by its job's `kernel` pattern, which may name the compiled kernel's `num_warps`."""
+    with ProcessPoolExecutor(workers or os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        found = list(pool.map(compile_row, jobs))
+    return [
+        dict(kernel=job["kernel"].format(**res), weight_scales=job["weight_scales"], **res)
+        for job, res in zip(jobs, found, strict=True)
+    ]
+
+
+def gemm_jobs() -> list[dict]:
+    """`gemm_kernel` at every autotune config, with 128x128 weight scales (fprop, dgrad) and 1x128 (wgrad)."""
+    jobs = []
+    for cfg in tg.configs:
         for b_rows in (128, 1):
             const = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_asm=1, B_ROWS_PER_SCALE=b_rows, BLOCK_K=128)
             const["stride_bsk" if b_rows == 128 else "stride_bsn"] = 1  # row-major 128x128, column-major 1x128
             const.update(cfg.kwargs)
-            kernel = compile_sm90(tg.gemm_kernel, _GEMM, const, cfg.num_warps, cfg.num_stages)
             name = (
                 f"gemm {cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}, {cfg.num_warps} warps, {cfg.num_stages} stages"
-                + (f", TMA, warp-specialized ({kernel.metadata.num_warps} warps in all)" if cfg.kwargs["TMA"] else "")
+                + (", TMA, warp-specialized ({num_warps} warps in all)" if cfg.kwargs["TMA"] else "")
             )
-            rows.append(dict(kernel=name, weight_scales="128x128" if b_rows == 128 else "1x128", **resources(kernel)))
-    return rows
+            scales = "128x128" if b_rows == 128 else "1x128"
+            jobs.append(_job("gemm_kernel", "_GEMM", const, cfg.num_warps, cfg.num_stages, name, scales))
+    return jobs
 
 
-def grouped_rows() -> list[dict]:
+def grouped_jobs() -> list[dict]:
     """The MoE kernels (`grouped_gemm`, `grouped_wgrad`) at every autotune config (all 128x128 tiles)."""
     grouped = dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_asm=1, stride_bsk=1, BLOCK_M=128, BLOCK_N=128)
     wgrad = dict(stride_at=1, stride_bt=1, stride_ck=1, stride_asn=1, stride_bsk=1, BLOCK_N=128, BLOCK_K=128)
-    rows = []
-    for fn, spec, const in (
-        (tg.grouped_gemm_kernel, _GROUPED, grouped),
-        (tg.grouped_wgrad_kernel, _GROUPED_WGRAD, wgrad),
+    jobs = []
+    for fn, spec, const, scales in (
+        ("grouped_gemm_kernel", "_GROUPED", grouped, "128x128"),
+        ("grouped_wgrad_kernel", "_GROUPED_WGRAD", wgrad, "1x128"),
     ):
         for cfg in tg.grouped_configs:
-            kernel = compile_sm90(fn, spec, {**const, "BLOCK_K": 128, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
-            scales = "128x128" if fn is tg.grouped_gemm_kernel else "1x128"
-            name = f"{fn.__name__} 128x128, {cfg.num_warps} warps, {cfg.num_stages} stages" + (
-                f", TMA, warp-specialized ({kernel.metadata.num_warps} warps in all)" if cfg.kwargs["TMA"] else ""
+            name = f"{fn} 128x128, {cfg.num_warps} warps, {cfg.num_stages} stages" + (
+                ", TMA, warp-specialized ({num_warps} warps in all)" if cfg.kwargs["TMA"] else ""
             )
-            rows.append(dict(kernel=name, weight_scales=scales, **resources(kernel)))
-    return rows
+            const = {**const, "BLOCK_K": 128, **cfg.kwargs}
+            jobs.append(_job(fn, spec, const, cfg.num_warps, cfg.num_stages, name, scales))
+    return jobs
 
 
-def quantize_rows() -> list[dict]:
-    """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` for every autotune config."""
-    rows = []
+def quantize_jobs() -> list[dict]:
+    """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` at every autotune config."""
+    jobs = []
     for cfg in tk._ACT_CONFIGS:
         const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
-        kernel = compile_sm90(tk.quant_act_kernel, _ACT, const, cfg.num_warps, 1)
         slices = "columns" if cfg.kwargs["T_COLS"] else "rows"
         name = f"quantize act, {cfg.kwargs['CHUNK']}-{slices} slices, {cfg.num_warps} warps"
-        rows.append(dict(kernel=name, weight_scales="", **resources(kernel)))
+        jobs.append(_job("quant_act_kernel", "_ACT", const, cfg.num_warps, 1, name, ""))
     for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_wk=1, POW2=False, BLOCK=128, **cfg.kwargs)
-        kernel = compile_sm90(tk.quant_weight_kernel, _WEIGHT, const, cfg.num_warps, 1)
         name = f"quantize weight, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
-        rows.append(dict(kernel=name, weight_scales="128x128", **resources(kernel)))
-    return rows
+        jobs.append(_job("quant_weight_kernel", "_WEIGHT", const, cfg.num_warps, 1, name, "128x128"))
+    return jobs
+
+
+def _job(fn: str, spec: str, const: dict, num_warps: int, num_stages: int, kernel: str, weight_scales: str) -> dict:
+    return dict(fn=fn, spec=spec, const=const, num_warps=num_warps, num_stages=num_stages, kernel=kernel,
+                weight_scales=weight_scales)  # fmt: skip
 
 
 def markdown(rows: list[dict]) -> str:
@@ -190,11 +213,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--gemm_only", action="store_true", help="only the GEMMs (half the compile time)")
+    parser.add_argument("--workers", type=int, help="compiling processes (default: one per core)")
     args = parser.parse_args()
     ok, why = available()
     if not ok:
         raise SystemExit(why)
-    rows = gemm_rows() + grouped_rows() + ([] if args.gemm_only else quantize_rows())
+    rows = compile_rows(gemm_jobs() + grouped_jobs() + ([] if args.gemm_only else quantize_jobs()), args.workers)
     print(f"SM90 (sm_90a), triton {triton.__version__}; stack bytes > 0 are register spills\n")
     print(markdown(rows))
     if args.json:
