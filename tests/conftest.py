@@ -253,3 +253,19 @@ def launch_two_processes(script, output_dir, *flags, timeout: int = 600, config_
     errors = [line for line in result.stderr.splitlines() if "Error" in line]  # each rank's, not only the last
     assert result.returncode == 0, "\n".join(errors[-20:]) + result.stderr[-2000:]
     return [torch.load(f"{output_dir}/rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory):
+    """`launch_two_processes(script, OUTPUT_DIR, *flags)` under DDP, launched once per (script, flags) in a session:
+    the baseline of the sharded runs, which ZeRO-3's and FSDP2's tests of the same flags share (a DDP run is the same
+    whichever test asks for it, and each launch costs two interpreters' imports)."""
+    runs = {}
+
+    def run(script, *flags) -> list[dict]:
+        key = (str(script), *flags)
+        if key not in runs:
+            runs[key] = launch_two_processes(script, tmp_path_factory.mktemp("ddp"), *flags)
+        return runs[key]
+
+    return run

@@ -81,7 +81,7 @@ def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path, lora
 
 @needs_deepspeed
 @pytest.mark.parametrize("model", ["dense", "lora", "moe"])
-def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model):
+def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model, ddp_run):
     """ZeRO-3 (TRL's zero3.yaml settings: the policy and the reference model built sharded, by zero.Init) shards the
     parameters too. Every FP8 linear quantizes the weight DeepSpeed gathers for it (each FP8 LoRA layer, which reads
     its base layer's weight, gathered as one: a DeepSpeed leaf; sibling linears run alone), the reference model is
@@ -103,12 +103,12 @@ def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model):
     # (transformers makes the MoE blocks leaves of its own: `...mlp`)
     lora_layers = [n for n in ranks[0]["zero3_leaves"] if n.endswith("_proj")]
     assert len(lora_layers) == (14 if model == "lora" else 0), ranks[0]["zero3_leaves"]
-    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "zero3", tmp_path / "ddp", flags, model)
+    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "zero3", ddp_run(SCRIPT, *flags), model)
 
 
-def assert_a_sharded_run_computes_what_ddp_does(ranks, output_dir, ddp_dir, flags, model: str) -> None:
-    """The checks a sharded run (ZeRO-3, FSDP2) of the test script with `flags` (`--beta --save_fp8`) in `output_dir`
-    passes, against DDP's run of the same flags (launched here, in `ddp_dir`): identical ranks; samplers and the FP8
+def assert_a_sharded_run_computes_what_ddp_does(ranks, output_dir, ddp, model: str) -> None:
+    """The checks a sharded run (ZeRO-3, FSDP2) of the test script with `--beta --save_fp8` in `output_dir` passes,
+    against `ddp`, DDP's run of the same flags (the `ddp_run` fixture's): identical ranks; samplers and the FP8
     checkpoint holding the learner's FP8 weights bit for bit; the first step exactly DDP's, the gradient norm to 1e-5
     (summed in another order: DeepSpeed reduces in fp32 buckets, FSDP reduce-scatters); every trained tensor moved."""
     params = ranks[0]["params"]
@@ -123,7 +123,6 @@ def assert_a_sharded_run_computes_what_ddp_does(ranks, output_dir, ddp_dir, flag
     saved = load_file(output_dir / "fp8" / "model.safetensors")  # save_model(), fp8_save_format="fp8"
     for name, t in ranks[0]["learner_fp8"].items():
         assert torch.equal(saved[name].view(torch.uint8), t.view(torch.uint8)), name
-    ddp = launch_two_processes(SCRIPT, ddp_dir, *flags)
     first, first_ddp = ([log for log in r[0]["log_history"] if "loss" in log][0] for r in (ranks, ddp))
     assert first["kl"] == 0.0  # the reference model computes what the policy computes, in FP8
     for key in ("loss", "kl", "entropy", "reward", "sampling/token_mult_prob_error"):

@@ -26,7 +26,7 @@ FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
 @pytest.mark.parametrize(
     "model", ["dense", "lora", "moe", "moe_gradient_checkpointing", "dense_activation_checkpointing"]
 )
-def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
+def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model, ddp_run):
     """FSDP2 (TRL's fsdp2.yaml settings: a unit per decoder layer, embeddings and head in units of their own) shards
     every parameter between uses. Each FP8 module quantizes the weight FSDP unshards for it and caches none (sibling
     linears run alone), the reference model is converted before TRL's `prepare_fsdp` wraps it, and the sync (and
@@ -70,7 +70,7 @@ def test_two_process_fsdp2_computes_what_ddp_does(tmp_path, model):
         # layers, the final norm with the head (and, with PEFT, its wrapper's own).
         unshards = (rank["sync_unshards"], rank["sync_units"])
         assert unshards[0] == unshards[1] == (5 if kind == "lora" else 4), unshards
-    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "fsdp2", tmp_path / "ddp", flags, kind)
+    assert_a_sharded_run_computes_what_ddp_does(ranks, tmp_path / "fsdp2", ddp_run(SCRIPT, *flags), kind)
 
 
 @pytest.mark.parametrize("wrapper", ["causal_lm", "peft"])
