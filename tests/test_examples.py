@@ -21,6 +21,69 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def script_commands(out: Path) -> dict[str, list[str]]:
+    """The commands the tests below run as a user does, each writing into its own folder under `out`."""
+    python, bench = sys.executable, ROOT / "benchmarks"
+    return {
+        "demo": [
+            python, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no", str(ROOT / "examples" / "grpo_fp8.py"),
+            "--config", str(ROOT / "recipes" / "demo_cpu.yaml"),
+            "--output_dir", str(out / "demo"), "--max_steps", "2", "--per_device_train_batch_size", "16",
+        ],
+        "mismatch": [python, str(bench / "mismatch.py"), "--quick", "--output_dir", str(out / "mismatch")],
+        "lora_mismatch": [python, str(bench / "lora_mismatch.py"), "--quick", "--output_dir", str(out / "lora_mismatch")],
+        "families": [python, str(bench / "families.py"), "--quick", "--output_dir", str(out / "families")],
+        # --bf16: TRL's default precision, where bf16 rounding alone separates learner and sampler.
+        "families_bf16": [
+            python, str(bench / "families.py"), "--bf16", "--steps", "2", "--families", "qwen3",
+            "--output_dir", str(out / "families_bf16"),
+        ],
+        # The GPU benchmark's plumbing, on tiny shapes (on CPU it times the emulated backend: the figures mean nothing).
+        "gpu_bench": [python, str(bench / "gpu_bench.py"), "--smoke", "--output_dir", str(out / "gpu_bench")],
+    }  # fmt: skip
+
+
+# Which of those each test reads.
+SCRIPT_RUNS = {
+    "test_demo_runs_through_accelerate_launch": ["demo"],
+    "test_mismatch_benchmark_quick": ["mismatch"],
+    "test_lora_mismatch_benchmark_quick": ["lora_mismatch"],
+    "test_families_benchmark_quick": ["families", "families_bf16"],
+    "test_gpu_bench_smoke": ["gpu_bench"],
+}
+
+
+@pytest.fixture(scope="module")
+def scripts(request, tmp_path_factory):
+    """`scripts(name) -> (returncode, stdout, stderr, output folder)` of `script_commands()[name]`. Every command the
+    selected tests of this module read starts when the first of them asks: each runs on one core (OMP_NUM_THREADS=1),
+    so together they keep the machine's cores busy where one after another they would leave all but one idle."""
+    out = tmp_path_factory.mktemp("scripts")
+    commands = script_commands(out)
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    running = {}
+    for name in sorted({n for test in selected for n in SCRIPT_RUNS.get(test, [])}):
+        (out / name).mkdir()
+        logs = [open(out / name / f"{stream}.txt", "w") for stream in ("stdout", "stderr")]  # pipes could fill up
+        proc = subprocess.Popen(commands[name], env=ENV, stdout=logs[0], stderr=logs[1], text=True, cwd=out / name)
+        running[name] = proc, logs
+
+    def result(name: str) -> tuple[int, str, str, Path]:
+        proc, logs = running[name]
+        proc.wait(timeout=900)
+        for log in logs:
+            log.close()
+        stdout, stderr = ((out / name / f"{stream}.txt").read_text() for stream in ("stdout", "stderr"))
+        return proc.returncode, stdout, stderr, out / name
+
+    yield result
+    for proc, logs in running.values():
+        proc.kill()
+        for log in logs:
+            log.close()
+
+
 def load_example():
     spec = importlib.util.spec_from_file_location("grpo_fp8", ROOT / "examples" / "grpo_fp8.py")
     module = importlib.util.module_from_spec(spec)
@@ -80,18 +143,12 @@ def test_the_moonlight_recipe_keeps_exactly_mlas_low_rank_projections_in_high_pr
     assert set(converted) == {n for n in linears if n not in mla and not n.endswith("mlp.gate")}
 
 
-def test_demo_runs_through_accelerate_launch(tmp_path):
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", str(ROOT / "examples" / "grpo_fp8.py"),
-        "--config", str(ROOT / "recipes" / "demo_cpu.yaml"),
-        "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "16",
-    ]  # fmt: skip
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "token_mult_prob_error" in result.stdout
-    assert (tmp_path / "training_curves.png").stat().st_size > 10_000
-    assert (tmp_path / "fp8_recipe.json").exists() and (tmp_path / "model.safetensors").exists()
+def test_demo_runs_through_accelerate_launch(scripts):
+    returncode, stdout, stderr, out = scripts("demo")
+    assert returncode == 0, stderr[-4000:]
+    assert "token_mult_prob_error" in stdout
+    assert (out / "training_curves.png").stat().st_size > 10_000
+    assert (out / "fp8_recipe.json").exists() and (out / "model.safetensors").exists()
 
 
 def test_the_example_trains_lora_with_trls_model_config_flags(tmp_path, capsys):
@@ -201,23 +258,21 @@ def test_the_example_refuses_what_trls_script_would_load_otherwise(tmp_path, mon
     assert example.import_reward("my_rewards.length")(["ab", "c"]) == [2, 1]
 
 
-def test_mismatch_benchmark_quick(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "mismatch.py"), "--quick", "--output_dir", str(tmp_path)]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    table = (tmp_path / "mismatch.md").read_text()
+def test_mismatch_benchmark_quick(scripts):
+    returncode, _, stderr, out = scripts("mismatch")
+    assert returncode == 0, stderr[-4000:]
+    table = (out / "mismatch.md").read_text()
     for row in ("BF16/BF16, no IS", "FP8 gen + BF16 train, token TIS C=2", "FP8/FP8, token TIS C=2"):
         assert f"| {row} |" in table, row
-    assert (tmp_path / "mismatch.png").stat().st_size > 10_000
-    assert (tmp_path / "mismatch.json").exists()
+    assert (out / "mismatch.png").stat().st_size > 10_000
+    assert (out / "mismatch.json").exists()
 
 
-def test_lora_mismatch_benchmark_quick(tmp_path):
+def test_lora_mismatch_benchmark_quick(scripts):
     """The LoRA ablation: PEFT's additive forward over an FP8 base samples from another grid than it learns on."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_mismatch.py"), "--quick", "--output_dir", str(tmp_path)]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    runs = json.loads((tmp_path / "lora_mismatch.json").read_text())["runs"]
+    returncode, _, stderr, out = scripts("lora_mismatch")
+    assert returncode == 0, stderr[-4000:]
+    runs = json.loads((out / "lora_mismatch.json").read_text())["runs"]
 
     def error(label):
         (history,) = runs[f"LoRA {label}, token TIS C=2"]
@@ -225,14 +280,13 @@ def test_lora_mismatch_benchmark_quick(tmp_path):
 
     assert error("BF16/BF16") < 1.0001
     assert error("FP8/FP8 merged weight (trl-fp8)") < 1.001 < 1.003 < error("FP8/FP8 additive (ablation)")
-    assert (tmp_path / "lora_mismatch.png").stat().st_size > 10_000 and (tmp_path / "lora_mismatch.md").exists()
+    assert (out / "lora_mismatch.png").stat().st_size > 10_000 and (out / "lora_mismatch.md").exists()
 
 
-def test_families_benchmark_quick(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "families.py"), "--quick", "--output_dir", str(tmp_path)]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    runs = json.loads((tmp_path / "families.json").read_text())["runs"]
+def test_families_benchmark_quick(scripts):
+    returncode, _, stderr, out = scripts("families")
+    assert returncode == 0, stderr[-4000:]
+    runs = json.loads((out / "families.json").read_text())["runs"]
     assert set(runs) == {"qwen3", "qwen3_5", "gpt_oss"}
     assert runs["gpt_oss"]["kept"] == [
         "mlp.experts (GptOssExperts: transposed weights, biases, gate and up interleaved)"
@@ -241,31 +295,26 @@ def test_families_benchmark_quick(tmp_path):
         mean = {c: sum(entry[c]["errors"]) / len(entry[c]["errors"]) for c in ("BF16/BF16", "FP8/FP8")}
         generation_only = entry["FP8 generation only"]["errors"]
         assert mean["BF16/BF16"] < 1.0001 and mean["FP8/FP8"] < sum(generation_only) / len(generation_only), family
-    assert (tmp_path / "families.png").stat().st_size > 10_000 and "| qwen3_5 |" in (
-        tmp_path / "families.md"
-    ).read_text()
+    assert (out / "families.png").stat().st_size > 10_000 and "| qwen3_5 |" in (out / "families.md").read_text()
     # --bf16: TRL's default precision, where bf16 rounding alone separates learner and sampler (fp32 gives 1.00000).
-    cmd = [*cmd[:2], "--bf16", "--steps", "2", "--families", "qwen3", "--output_dir", str(tmp_path / "bf16")]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "bf16=True" in (tmp_path / "bf16" / "families.md").read_text()
-    errors = json.loads((tmp_path / "bf16" / "families.json").read_text())["runs"]["qwen3"]["BF16/BF16"]["errors"]
+    returncode, _, stderr, bf16 = scripts("families_bf16")
+    assert returncode == 0, stderr[-4000:]
+    assert "bf16=True" in (bf16 / "families.md").read_text()
+    errors = json.loads((bf16 / "families.json").read_text())["runs"]["qwen3"]["BF16/BF16"]["errors"]
     assert min(errors) > 1.0005, errors
 
 
-def test_gpu_bench_smoke(tmp_path):
-    # The GPU benchmark's plumbing, on tiny shapes (on CPU it times the emulated backend: the figures mean nothing).
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--smoke", "--output_dir", str(tmp_path)]
-    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+def test_gpu_bench_smoke(scripts):
+    returncode, _, stderr, out = scripts("gpu_bench")
+    assert returncode == 0, stderr[-4000:]
+    report = json.loads((out / "gpu_bench.json").read_text())
     assert {"gemm", "linear", "quantize", "train_step", "targets_met"} <= report.keys()
     assert report["errors"] == {}
     for backend in report["backends"]:
         assert all(r[backend]["sqnr_vs_emulated_db"] > 35 for r in report["gemm"])
         assert report["train_step"][backend]["ratio"] > 0
-    assert (tmp_path / "gpu_bench.md").read_text().startswith("Device:")
-    assert (tmp_path / "gpu_targets.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "gpu_bench.md").read_text().startswith("Device:")
+    assert (out / "gpu_targets.png").read_bytes()[:4] == b"\x89PNG"
     # (h): where the step's time went, per precision (on CPU ops where there are no kernels).
     profile = report["profile"]
     assert list(profile) == ["shape", "bf16", *report["backends"]]
@@ -282,7 +331,7 @@ def test_gpu_bench_smoke(tmp_path):
     # Plain aten ops: only their Python callers tell them from the rest, where the profiler records those frames.
     if "emulated" in profile and profile["emulated"]["time_base"] == "cpu ops":
         assert profile["emulated"]["categories"]["fp8 quantize"]["ms"] > 0
-    md = (tmp_path / "gpu_bench.md").read_text()
+    md = (out / "gpu_bench.md").read_text()
     assert "(h) where a training step's time goes" in md
     assert f"| category | {' | '.join(['bf16', *report['backends']])} |" in md
     assert "Bound on (d): GEMMs are" in md
