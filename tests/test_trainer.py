@@ -274,6 +274,54 @@ def test_a_backend_that_cannot_run_here_is_refused_before_anything_changes(tmp_p
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_prompts_with_images_are_refused_at_start_for_the_reference_engine(tmp_path, demo_tokenizer):
+    """The reference engine samples text only. A dataset with images (an `image` column, or image parts in its
+    prompts' messages, TRL's two ways) is refused before anything is loaded or converted, naming the dataset; it used
+    to fail only at the first generation."""
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    model = tiny_policy(demo_tokenizer)
+    text = make_dataset(4)
+    images = [ImageFeature().encode_example(Image.new("RGB", (8, 8))) for _ in range(4)]
+    pictures = text.add_column("image", images, feature=ImageFeature())
+    parts = Dataset.from_dict(
+        {
+            "prompt": [
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": p}]}] for p in text["prompt"]
+            ]
+        }  # fmt: skip
+    )
+    kwargs = dict(
+        model=model, reward_funcs=digit_reward, args=tiny_grpo_args(tmp_path), processing_class=demo_tokenizer
+    )
+    with pytest.raises(ValueError, match=r"^train_dataset has an 'image' column, but .* samples text only"):
+        FP8GRPOTrainer(train_dataset=pictures, **kwargs)
+    with pytest.raises(ValueError, match=r"^eval_dataset\['hard'\] has image parts in its first prompt"):
+        FP8GRPOTrainer(train_dataset=text, eval_dataset={"easy": text, "hard": parts}, **kwargs)
+    assert not any(isinstance(m, FP8Linear) for m in model.modules()) and not hasattr(model, "fp8_recipe")
+
+
+def test_ds3_gather_for_generation_off_is_refused_for_the_reference_engine(tmp_path):
+    """`ds3_gather_for_generation=False` asks TRL to generate from ZeRO-3's partitions, to train a policy larger than
+    one device; the reference engine samples from a whole copy, so the setting is refused rather than ignored. It is
+    inert without ZeRO-3, and TRL does not take it with vLLM either: both pass, as in TRL."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    def config(stage: int, **kwargs) -> FP8GRPOConfig:
+        zero = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
+        return FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, deepspeed=zero, **kwargs)
+
+    try:  # (a DeepSpeed config in TrainingArguments is process-wide state in transformers: unset below)
+        with pytest.raises(ValueError, match=r"ds3_gather_for_generation=False .* Set ds3_gather_for_generation=True"):
+            config(3, ds3_gather_for_generation=False)
+        config(3)
+        config(3, ds3_gather_for_generation=False, use_vllm=True)
+        config(2, ds3_gather_for_generation=False)
+    finally:
+        unset_hf_deepspeed_config()
+
+
 def test_a_quantized_policy_is_refused_before_it_is_loaded(tmp_path, demo_tokenizer):
     """QLoRA's way (TRL's `quantization_config`, or in `model_init_kwargs`): refused while FP8 is on, naming where it
     was set, before transformers loads anything (bitsandbytes is not even installed here: loading would fail on

@@ -184,6 +184,31 @@ def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
         )
 
 
+def check_text_prompts(args: FP8GRPOConfig, **datasets) -> None:
+    """Refuses, at start, prompts with images (an `image` or `images` column, or image parts in the first prompt's
+    messages, where TRL looks for them) in the `datasets` given (`train_dataset=...`, `eval_dataset=...`, each a
+    dataset or a dict of them) while the FP8 reference engine samples (`use_vllm=False`): it samples text only, and
+    would say so only at the first generation, after everything is loaded."""
+    if args.use_vllm:
+        return
+    for field, given in datasets.items():
+        for key, dataset in given.items() if isinstance(given, dict) else [(None, given)]:
+            where = field if key is None else f"{field}[{key!r}]"
+            columns = getattr(dataset, "column_names", None) or []
+            found = next((f"has an {c!r} column" for c in ("image", "images") if c in columns), None)
+            if found is None and "prompt" in columns and hasattr(dataset, "__len__") and len(dataset):
+                prompt = dataset[0]["prompt"]
+                messages = prompt if isinstance(prompt, list) else []
+                parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+                if any(isinstance(p, dict) and p.get("type") == "image" for p in parts):
+                    found = "has image parts in its first prompt"
+            if found:
+                raise ValueError(
+                    f"{where} {found}, but FP8GRPOTrainer's FP8 reference engine (use_vllm=False) samples text "
+                    "only: train on text prompts, or sample with vLLM (use_vllm=True)."
+                )
+
+
 def check_not_quantized(model, quantization_config, args: FP8GRPOConfig) -> None:
     """Refuses a policy loaded quantized (bitsandbytes, GPTQ, a block-FP8 checkpoint transformers keeps in FP8 on a
     GPU, ...) while FP8 is on: the learner's FP8 linears and the sampler's weights are quantized from the policy's

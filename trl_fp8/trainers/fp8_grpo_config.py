@@ -215,6 +215,14 @@ class FP8GRPOConfig(GRPOConfig):
                 "use_transformers_continuous_batching=True conflicts with FP8GRPOTrainer's sampling engine; set it to "
                 "False (FP8GRPOTrainer always samples with its own engine)."
             )
+        zero3 = self.deepspeed_plugin is not None and self.deepspeed_plugin.zero_stage == 3
+        if zero3 and not self.ds3_gather_for_generation and not self.use_vllm:
+            raise ValueError(
+                "ds3_gather_for_generation=False asks to generate from ZeRO-3's partitioned weights, which the FP8 "
+                "reference engine (use_vllm=False) does not do: like vLLM (for which TRL does not take this setting "
+                "either) it samples from a whole copy of the policy on every process, its linears in FP8. Set "
+                "ds3_gather_for_generation=True (the default)."
+            )
         if (
             self.loss_type == "vespo"
             and self.vllm_importance_sampling_correction

@@ -31,6 +31,7 @@ from .checks import (
     check_not_quantized,
     check_peft_config,
     check_peft_targets,
+    check_text_prompts,
     warn_truncated_sampling,
 )
 from .fp8_grpo_config import FP8GRPOConfig
@@ -100,6 +101,7 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
         check_not_quantized(model, kwargs.get("quantization_config"), args)
+        check_text_prompts(args, train_dataset=kwargs.get("train_dataset"), eval_dataset=kwargs.get("eval_dataset"))
         lora = kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
         fsdp_version = check_fsdp_supported(args, lora=lora)
         warn_truncated_sampling(args)
