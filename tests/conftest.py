@@ -257,9 +257,10 @@ def launch_two_processes(script, output_dir, *flags, timeout: int = 600, config_
 
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory):
-    """`launch_two_processes(script, OUTPUT_DIR, *flags)` under DDP, launched once per (script, flags) in a session:
-    the baseline of the sharded runs, which ZeRO-3's and FSDP2's tests of the same flags share (a DDP run is the same
-    whichever test asks for it, and each launch costs two interpreters' imports)."""
+    """`launch_two_processes(script, OUTPUT_DIR, *flags)` under DDP, launched once per (script, flags) in a session
+    (a pytest-xdist worker: its users carry `xdist_group("ddp_run")`): the baseline of the sharded runs, which
+    ZeRO-3's and FSDP2's tests of the same flags share (a DDP run is the same whichever test asks for it, and each
+    launch costs two interpreters' imports)."""
     runs = {}
 
     def run(script, *flags) -> list[dict]:

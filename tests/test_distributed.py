@@ -80,6 +80,7 @@ def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path, lora
 
 
 @needs_deepspeed
+@pytest.mark.xdist_group("ddp_run")  # with FSDP2's: the DDP baselines they share
 @pytest.mark.parametrize("model", ["dense", "lora", "moe"])
 def test_two_process_deepspeed_zero3_computes_what_ddp_does(tmp_path, model, ddp_run):
     """ZeRO-3 (TRL's zero3.yaml settings: the policy and the reference model built sharded, by zero.Init) shards the

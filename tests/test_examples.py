@@ -17,6 +17,7 @@ from trl_fp8 import FP8GRPOConfig, convert_to_fp8
 from trl_fp8.demo.task import accuracy_reward
 
 
+pytestmark = pytest.mark.xdist_group("examples")  # the `scripts` fixture starts every run its selected tests read
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

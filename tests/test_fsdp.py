@@ -23,6 +23,7 @@ FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
 
 
 @needs_fsdp2()
+@pytest.mark.xdist_group("ddp_run")  # with ZeRO-3's: the DDP baselines they share
 @pytest.mark.parametrize(
     "model", ["dense", "lora", "moe", "moe_gradient_checkpointing", "dense_activation_checkpointing"]
 )

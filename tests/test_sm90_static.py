@@ -15,9 +15,12 @@ import pytest
 triton = pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-pytestmark = pytest.mark.skipif(
-    not ((BIN / "ptxas").exists() and (BIN / "cuobjdump").exists()), reason="this triton ships no ptxas/cuobjdump"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not ((BIN / "ptxas").exists() and (BIN / "cuobjdump").exists()), reason="this triton ships no ptxas/cuobjdump"
+    ),
+    pytest.mark.xdist_group("sm90"),  # one compile (the module's fixture) for all its tests
+]
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl_fp8 import FP8GRPOTrainer
 
 
+pytestmark = pytest.mark.xdist_group("tools")  # one taught policy (`_taught_policy`, per process) for all
 CALL = '{"name": "multiply", "arguments": {"a": 3, "b": 4}}'
 
 
