@@ -116,11 +116,12 @@ def resources(kernel) -> dict:
 
 
 def compile_row(job: dict) -> dict:
-    """`resources` of one kernel: `job["fn"]` (a kernel of `triton_gemm_kernels` or `triton_kernels`, by name)
-    compiled with `job`'s argument spec (a name of this module's), constexprs, warps and stages. A worker's task."""
-    module = tg if hasattr(tg, job["fn"]) else tk
-    fn, spec = getattr(module, job["fn"]), globals()[job["spec"]]
-    return resources(compile_sm90(fn, spec, job["const"], job["num_warps"], job["num_stages"]))
+    """`resources` of one kernel: `job["fn"]` (`"module.kernel"`, a kernel of `triton_gemm_kernels` or
+    `triton_kernels` by name: a worker imports its own) compiled with `job`'s argument spec, constexprs, warps and
+    stages. A worker's task."""
+    module, name = job["fn"].split(".")
+    fn = getattr({"triton_gemm_kernels": tg, "triton_kernels": tk}[module], name)
+    return resources(compile_sm90(fn, job["spec"], job["const"], job["num_warps"], job["num_stages"]))
 
 
 def compile_rows(jobs: list[dict], workers: int | None = None) -> list[dict]:
@@ -147,7 +148,9 @@ def gemm_jobs() -> list[dict]:
                 + (", TMA, warp-specialized ({num_warps} warps in all)" if cfg.kwargs["TMA"] else "")
             )
             scales = "128x128" if b_rows == 128 else "1x128"
-            jobs.append(_job("gemm_kernel", "_GEMM", const, cfg.num_warps, cfg.num_stages, name, scales))
+            jobs.append(
+                _job("triton_gemm_kernels.gemm_kernel", _GEMM, const, cfg.num_warps, cfg.num_stages, name, scales)
+            )
     return jobs
 
 
@@ -157,15 +160,15 @@ def grouped_jobs() -> list[dict]:
     wgrad = dict(stride_at=1, stride_bt=1, stride_ck=1, stride_asn=1, stride_bsk=1, BLOCK_N=128, BLOCK_K=128)
     jobs = []
     for fn, spec, const, scales in (
-        ("grouped_gemm_kernel", "_GROUPED", grouped, "128x128"),
-        ("grouped_wgrad_kernel", "_GROUPED_WGRAD", wgrad, "1x128"),
+        ("grouped_gemm_kernel", _GROUPED, grouped, "128x128"),
+        ("grouped_wgrad_kernel", _GROUPED_WGRAD, wgrad, "1x128"),
     ):
         for cfg in tg.grouped_configs:
             name = f"{fn} 128x128, {cfg.num_warps} warps, {cfg.num_stages} stages" + (
                 ", TMA, warp-specialized ({num_warps} warps in all)" if cfg.kwargs["TMA"] else ""
             )
             const = {**const, "BLOCK_K": 128, **cfg.kwargs}
-            jobs.append(_job(fn, spec, const, cfg.num_warps, cfg.num_stages, name, scales))
+            jobs.append(_job(f"triton_gemm_kernels.{fn}", spec, const, cfg.num_warps, cfg.num_stages, name, scales))
     return jobs
 
 
@@ -176,15 +179,15 @@ def quantize_jobs() -> list[dict]:
         const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
         slices = "columns" if cfg.kwargs["T_COLS"] else "rows"
         name = f"quantize act, {cfg.kwargs['CHUNK']}-{slices} slices, {cfg.num_warps} warps"
-        jobs.append(_job("quant_act_kernel", "_ACT", const, cfg.num_warps, 1, name, ""))
+        jobs.append(_job("triton_kernels.quant_act_kernel", _ACT, const, cfg.num_warps, 1, name, ""))
     for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_wk=1, POW2=False, BLOCK=128, **cfg.kwargs)
         name = f"quantize weight, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
-        jobs.append(_job("quant_weight_kernel", "_WEIGHT", const, cfg.num_warps, 1, name, "128x128"))
+        jobs.append(_job("triton_kernels.quant_weight_kernel", _WEIGHT, const, cfg.num_warps, 1, name, "128x128"))
     return jobs
 
 
-def _job(fn: str, spec: str, const: dict, num_warps: int, num_stages: int, kernel: str, weight_scales: str) -> dict:
+def _job(fn: str, spec: dict, const: dict, num_warps: int, num_stages: int, kernel: str, weight_scales: str) -> dict:
     return dict(fn=fn, spec=spec, const=const, num_warps=num_warps, num_stages=num_stages, kernel=kernel,
                 weight_scales=weight_scales)  # fmt: skip
 

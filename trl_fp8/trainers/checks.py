@@ -189,17 +189,20 @@ def check_text_prompts(args: FP8GRPOConfig, **datasets) -> None:
     messages, where TRL looks for them) in the `datasets` given (`train_dataset=...`, `eval_dataset=...`, each a
     dataset or a dict of them) while the FP8 reference engine samples (`use_vllm=False`): it samples text only, and
     would say so only at the first generation, after everything is loaded."""
+    from trl.data_utils import get_dataset_column_names, is_conversational
+
     if args.use_vllm:
         return
     for field, given in datasets.items():
         for key, dataset in given.items() if isinstance(given, dict) else [(None, given)]:
+            if dataset is None:
+                continue
             where = field if key is None else f"{field}[{key!r}]"
-            columns = getattr(dataset, "column_names", None) or []
+            columns = get_dataset_column_names(dataset)
             found = next((f"has an {c!r} column" for c in ("image", "images") if c in columns), None)
-            if found is None and "prompt" in columns and hasattr(dataset, "__len__") and len(dataset):
-                prompt = dataset[0]["prompt"]
-                messages = prompt if isinstance(prompt, list) else []
-                parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+            first = next(iter(dataset), None) if found is None and "prompt" in columns else None
+            if first is not None and is_conversational(first):
+                parts = [p for m in first["prompt"] if isinstance(m.get("content"), list) for p in m["content"]]
                 if any(isinstance(p, dict) and p.get("type") == "image" for p in parts):
                     found = "has image parts in its first prompt"
             if found:
