@@ -77,6 +77,33 @@ def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
     assert torch.equal(held.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(held.weight_scale_inv, s)
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8_sampler", "bf16_sampler"])
+def test_a_weight_named_like_a_scale_is_cast_as_a_weight(fp8):
+    """Only the stream's scales (`weight_scale_inv`, the KV cache's `k_scale`/`v_scale`/`q_scale`) keep their own
+    dtype: a model weight whose name ends in `_scale` (Gemma 3n's `altup.correct_output_scale`) is cast to the
+    sampler's dtype like any weight. It used to keep the fp32 learner's dtype, and a bf16 sampler refused every sync."""
+    from accelerate import Accelerator
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=256, hidden_size_per_layer_input=128,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        laurel_rank=128, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0],
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    learner = Gemma3nForCausalLM(config)  # fp32, as TRL loads a policy before bf16 autocast
+    engine = ReferenceEngine(
+        learner, Accelerator(cpu=True), FP8Recipe(), fp8=fp8, dtype=torch.bfloat16, eos_token_ids=[2], pad_token_id=0
+    )
+    engine.sync_weights()
+    name = "model.layers.0.altup.correct_output_scale"
+    held = engine.sampler.get_parameter(name)
+    assert held.dtype == torch.bfloat16
+    assert torch.equal(held, learner.get_parameter(name).detach().to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic_cache", "static_cache"])
 def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer, cache):
     """Also with `cache_implementation`, which the engine decodes with as TRL's transformers path would."""

@@ -22,7 +22,7 @@ from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import load_state_stream, stream_nbytes
-from ..quant.kv_cache import CACHE_KWARG, FP8_QUERY_ATTENTION, FP8KVCache, set_attention
+from ..quant.kv_cache import CACHE_KWARG, FP8_QUERY_ATTENTION, KV_SCALE_SUFFIXES, FP8KVCache, set_attention
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
 from .stream import LearnerStream, refuse_nonfinite
@@ -281,7 +281,7 @@ _HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 def _sampler_dtype(name: str, tensor: torch.Tensor, held: torch.Tensor | None) -> torch.dtype:
     """The dtype a streamed tensor is loaded in: the sampler's, for high-precision weights; else (FP8 codes, scales)
     its own, which `load_state_stream` holds to the sampler's."""
-    scale = name.endswith(("_scale_inv", "_scale"))
+    scale = name.endswith(("_scale_inv", *KV_SCALE_SUFFIXES))  # not a weight of the model named `..._scale`
     if held is not None and not scale and tensor.dtype in _HIGH_PRECISION and held.dtype in _HIGH_PRECISION:
         return held.dtype
     return tensor.dtype
