@@ -299,7 +299,31 @@ def test_prompts_with_images_are_refused_at_start_for_the_reference_engine(tmp_p
         FP8GRPOTrainer(train_dataset=pictures, **kwargs)
     with pytest.raises(ValueError, match=r"^eval_dataset\['hard'\] has image parts in its first prompt"):
         FP8GRPOTrainer(train_dataset=text, eval_dataset={"easy": text, "hard": parts}, **kwargs)
+    with pytest.raises(ValueError, match=r"^train_dataset has images in its first row's 'images'"):
+        FP8GRPOTrainer(train_dataset=text.add_column("images", [[image] for image in images]), **kwargs)
     assert not any(isinstance(m, FP8Linear) for m in model.modules()) and not hasattr(model, "fp8_recipe")
+    # An `images` column of empty lists holds no images, as TRL reads it: the text is trained on.
+    FP8GRPOTrainer(train_dataset=text.add_column("images", [[] for _ in images]), **kwargs)
+    assert hasattr(model, "fp8_recipe")
+
+
+def test_the_constructor_takes_grpo_trainers_arguments_by_position(tmp_path, demo_tokenizer):
+    """A drop-in for `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, ...)`:
+    the arguments after `args` are taken by position too, and the start-up checks read them wherever they were
+    given."""
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    model, args, text = tiny_policy(demo_tokenizer), tiny_grpo_args(tmp_path), make_dataset(4)
+    trainer = FP8GRPOTrainer(model, digit_reward, args, text, None, demo_tokenizer)
+    assert trainer.train_dataset is text and trainer.processing_class is demo_tokenizer
+    assert hasattr(model, "fp8_recipe")
+    images = [ImageFeature().encode_example(Image.new("RGB", (8, 8))) for _ in range(4)]
+    pictures = text.add_column("image", images, feature=ImageFeature())
+    with pytest.raises(ValueError, match=r"^train_dataset has an 'image' column"):
+        FP8GRPOTrainer(tiny_policy(demo_tokenizer), digit_reward, args, pictures, None, demo_tokenizer)
+    with pytest.raises(TypeError, match="multiple values for argument 'train_dataset'"):
+        FP8GRPOTrainer(model, digit_reward, args, text, train_dataset=text)
 
 
 def test_ds3_gather_for_generation_off_is_refused_for_the_reference_engine(tmp_path):

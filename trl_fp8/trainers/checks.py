@@ -185,10 +185,10 @@ def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
 
 
 def check_text_prompts(args: FP8GRPOConfig, **datasets) -> None:
-    """Refuses, at start, prompts with images (an `image` or `images` column, or image parts in the first prompt's
-    messages, where TRL looks for them) in the `datasets` given (`train_dataset=...`, `eval_dataset=...`, each a
-    dataset or a dict of them) while the FP8 reference engine samples (`use_vllm=False`): it samples text only, and
-    would say so only at the first generation, after everything is loaded."""
+    """Refuses, at start, prompts with images (an `image` column, images in the first row's `images`, or image parts
+    in the first prompt's messages, where TRL looks for them) in the `datasets` given (`train_dataset=...`,
+    `eval_dataset=...`, each a dataset or a dict of them) while the FP8 reference engine samples (`use_vllm=False`):
+    it samples text only, and would say so only at the first generation, after everything is loaded."""
     from trl.data_utils import get_dataset_column_names, is_conversational
 
     if args.use_vllm:
@@ -199,9 +199,12 @@ def check_text_prompts(args: FP8GRPOConfig, **datasets) -> None:
                 continue
             where = field if key is None else f"{field}[{key!r}]"
             columns = get_dataset_column_names(dataset)
-            found = next((f"has an {c!r} column" for c in ("image", "images") if c in columns), None)
-            first = next(iter(dataset), None) if found is None and "prompt" in columns else None
-            if first is not None and is_conversational(first):
+            first = next(iter(dataset), None) if {"prompt", "images"} & set(columns) else None
+            found = "has an 'image' column" if "image" in columns else None
+            # As TRL: a batch whose `images` are all empty lists has no images (a text dataset with the column).
+            if found is None and "images" in columns and first is not None and first["images"]:
+                found = "has images in its first row's 'images'"
+            if found is None and first is not None and "prompt" in columns and is_conversational(first):
                 parts = [p for m in first["prompt"] if isinstance(m.get("content"), list) for p in m["content"]]
                 if any(isinstance(p, dict) and p.get("type") == "image" for p in parts):
                     found = "has image parts in its first prompt"

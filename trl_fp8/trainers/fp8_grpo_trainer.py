@@ -1,3 +1,4 @@
+import inspect
 import json
 import logging
 import os
@@ -86,7 +87,9 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
     _tag_names = ["trl", "grpo", "fp8"]
     _name = "FP8 GRPO"
 
-    def __init__(self, model, reward_funcs=None, args: FP8GRPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: FP8GRPOConfig | None = None, *more, **kwargs):
+        # GRPOTrainer's other parameters, passed by position or by name, by name: the checks below read them.
+        kwargs = _by_name(model, reward_funcs, args, more, kwargs)
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = FP8GRPOConfig(f"{model_name.split('/')[-1]}-FP8-GRPO")
@@ -333,6 +336,13 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
             if self._is_moe and isinstance(engine, ReferenceEngine):  # vLLM's routing is not observable here
                 self._log_router_mismatch(output, mode)
         return output
+
+
+def _by_name(model, reward_funcs, args, more: tuple, kwargs: dict) -> dict:
+    """`GRPOTrainer.__init__`'s arguments after `args`, all by name, bound to its own signature (a wrong or doubled
+    one raises Python's own `TypeError`)."""
+    bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *more, **kwargs).arguments
+    return dict(list(bound.items())[4:])
 
 
 @contextmanager
