@@ -309,13 +309,24 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         finally:
             self._saving_for_push = False
 
+    def _first_calibration_batch(self, prompt_ids: list[list[int]]) -> None:
+        # The very first KV calibration has no finished batch to run on: rows of the prompts about to be sampled.
+        engine = self.vllm_generation
+        if getattr(engine, "kv_cache", False) and engine.calibration_batch is None:
+            rows, pad_token_id = self.args.fp8_kv_calibration_rows, self._tokenizer.pad_token_id
+            engine.calibration_batch = prompts_batch(prompt_ids, rows, pad_token_id)
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        # TRL syncs the engine here, with the prompts tokenized as the engine gets them (an environment's `reset()`
+        # observation and its tools' schema included).
+        self._first_calibration_batch(prompt_ids)
+        return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
     def _generate_and_score_completions(self, inputs):
         engine = self.vllm_generation
         kv_cache = getattr(engine, "kv_cache", False)
-        if kv_cache and engine.calibration_batch is None:  # the very first calibration: no batch has finished
-            prompt_ids = self._tokenize_prompts([x["prompt"] for x in inputs])[0]
-            rows, pad_token_id = self.args.fp8_kv_calibration_rows, self._tokenizer.pad_token_id
-            engine.calibration_batch = prompts_batch(prompt_ids, rows, pad_token_id)
+        if kv_cache and self.rollout_func is not None:  # which TRL syncs for before calling it, on the raw prompts
+            self._first_calibration_batch(self._tokenize_prompts([x["prompt"] for x in inputs])[0])
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if kv_cache and mode == "train":  # the next recalibration (after the next optimizer step) runs on this batch
