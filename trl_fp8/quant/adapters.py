@@ -16,12 +16,14 @@ def _peft():
 
 
 def merged_weight(layer, adapters: list[str] | None = None) -> torch.Tensor:
-    """`W + Σ s·B·A` over `adapters` (the active ones by default), in W's dtype, as PEFT's safe merge computes it;
-    differentiable with respect to the adapters."""
+    """`W + Σ s·B·A` over `adapters` (the active ones by default), in W's dtype, as PEFT's merge computes it
+    (`merge_and_unload()`): each adapter's delta added in the wider of the two dtypes, then rounded once to W's (fp32
+    adapters over a bf16 base: not the delta rounded to bf16 first, as `safe_merge=True` does); differentiable with
+    respect to the adapters."""
     w = layer.get_base_layer().weight
     for name in layer.active_adapters if adapters is None else adapters:
         if name in layer.lora_A:
-            w = w + layer.get_delta_weight(name).to(w.dtype)
+            w = (w + layer.get_delta_weight(name)).to(w.dtype)
     return w
 
 
