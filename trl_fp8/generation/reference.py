@@ -249,7 +249,7 @@ class ReferenceEngine(LearnerStream):
         cache = None
         if self.kv_cache:
             attn = [self.sampler.get_submodule(name) for name in self._attn_names]
-            cache = FP8KVCache([(a.k_scale.item(), a.v_scale.item()) for a in attn])
+            cache = FP8KVCache({a.layer_idx: (a.k_scale.item(), a.v_scale.item()) for a in attn}, self.sampler.config)
             for i, a in enumerate(attn):
                 if not a.q_scale.item() > 0:
                     raise ValueError(f"FP8 KV cache: layer {i} has no valid q_scale ({a.q_scale.item()}); sync first")

@@ -11,15 +11,14 @@ from trl.distributed import DistributedBackend
 from ..quant.adapters import adapter_state, unwrap_peft
 from ..quant.blockwise import FP8_DTYPE
 from ..quant.export import iter_fp8_state, iter_hp_state
-from ..quant.kv_cache import KV_SCALE_SUFFIXES, calibrate_kv_scales, check_kv_cache_supported
+from ..quant.kv_cache import (
+    KV_SCALE_SUFFIXES,
+    attention_module_names,
+    calibrate_kv_scales,
+    check_kv_cache_supported,
+)
 from ..quant.linear import weights_epoch
 from .gather import learner_gather
-
-
-def attention_module_names(model: nn.Module) -> list[str]:
-    """The decoder layers' attention modules (`model.layers.{i}.self_attn`), whose `k_scale` / `v_scale` / `q_scale`
-    vLLM reads."""
-    return [name for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
 
 
 def refuse_nonfinite(pairs: list[tuple[str, torch.Tensor]]) -> None:
@@ -54,7 +53,7 @@ class LearnerStream:
         self, model, accelerator, recipe, *, fp8: bool, kv_cache: bool, kv_scale_percentile: float, kv_scale_margin
     ) -> None:
         if kv_cache:
-            check_kv_cache_supported(unwrap_peft(accelerator.unwrap_model(model)).config)
+            check_kv_cache_supported(unwrap_peft(accelerator.unwrap_model(model)))
         self.model, self.accelerator, self.recipe, self.fp8 = model, accelerator, recipe, fp8
         self.kv_cache, self.kv_scale_percentile, self.kv_scale_margin = kv_cache, kv_scale_percentile, kv_scale_margin
         # Set by the trainer: `(input_ids, attention_mask)` of a small slice of the latest batch.

@@ -176,7 +176,7 @@ def fp8_llm_kwargs(
     hf_overrides["quantization_config"] = vllm_quantization_config(recipe, ignored)
     kwargs = {**user_kwargs, "quantization": "fp8", "hf_overrides": hf_overrides, "load_format": "dummy"}
     if kv_cache:
-        check_kv_cache_supported(model.config)
+        check_kv_cache_supported(model)
         kwargs["kv_cache_dtype"] = "fp8"
     if getattr(model.config, "kv_lora_rank", None) and vllm_version and Version(vllm_version) < Version("0.31.0"):
         # Before 0.31 MLA re-derives W_UV / W_UK_T as new tensors at every reload (0.31 copies them in place): a

@@ -13,13 +13,14 @@ With an FP8 KV cache, vLLM's FlashAttention-3 path also quantizes the queries to
 (1.0 when none is loaded); it is calibrated the same way, and the reference engine quantizes its queries with it.
 """
 
+import sys
 from contextlib import contextmanager
 
 import torch
 import transformers
 from packaging.version import Version
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -34,14 +35,42 @@ KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale")  # vLLM's checkpoint na
 CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 
-def check_kv_cache_supported(config) -> None:
+def attention_module_names(model: torch.nn.Module) -> list[str]:
+    """The decoder layers' attention modules (`model.layers.{i}.self_attn`), whose `k_scale` / `v_scale` / `q_scale`
+    vLLM reads."""
+    return [name for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
+
+
+def recurrent_layers(config) -> dict[int, LinearAttentionCacheLayerMixin]:
+    """Fresh cache layers, as transformers builds them, for the decoder layers that keep a recurrent state instead of
+    per-token K/V (Qwen3.5's and Qwen3-Next's Gated DeltaNet, LFM2's short convolutions), by layer index. The FP8 KV
+    cache holds them as they are and quantizes the attention layers' K/V only, as vLLM does."""
+    layers = DynamicCache(config=config).layers
+    return {i: layer for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+
+
+def check_kv_cache_supported(model: torch.nn.Module) -> None:
     """Refuses models whose KV cache the FP8 KV cache here does not model: MLA (DeepSeek-V2/V3, Moonlight) caches a
-    compressed latent in vLLM, not the K/V this calibrates, and vLLM finds no `self_attn.k_scale` to load there."""
+    compressed latent in vLLM, not the K/V this calibrates, and vLLM finds no `self_attn.k_scale` to load there;
+    attention modules named otherwise (GPT-NeoX's `attention`) leave vLLM no `self_attn.k_scale` either; and a layer
+    that holds a recurrent state beside its K/V has no FP8 cache layer here."""
+    config = model.config
+    what = f"fp8_kv_cache=True is not supported for {getattr(config, 'model_type', type(model).__name__)}"
     if getattr(config, "kv_lora_rank", None):
         raise ValueError(
-            f"fp8_kv_cache=True is not supported for {getattr(config, 'model_type', 'this model')}: its multi-head "
-            "latent attention caches a compressed latent (kv_lora_rank), whose scales trl-fp8 does not calibrate. "
-            "Set fp8_kv_cache=False."
+            f"{what}: its multi-head latent attention caches a compressed latent (kv_lora_rank), whose scales trl-fp8 "
+            "does not calibrate. Set fp8_kv_cache=False."
+        )
+    if not attention_module_names(model):
+        raise ValueError(
+            f"{what}: its attention modules are not named `self_attn`, where vLLM loads the K/V/Q scales "
+            "(`model.layers.{i}.self_attn.k_scale`). Set fp8_kv_cache=False."
+        )
+    both = [i for i, layer in recurrent_layers(config).items() if isinstance(layer, DynamicLayer)]
+    if both:
+        raise ValueError(
+            f"{what}: its layers {both} keep a recurrent state and a K/V cache together, which trl-fp8's FP8 KV "
+            "cache does not hold. Set fp8_kv_cache=False."
         )
 
 
@@ -87,13 +116,25 @@ class FP8KVLayer(DynamicLayer):
 
 
 class FP8KVCache(Cache):
-    """A transformers `Cache` of `FP8KVLayer`s, one per decoder layer, from `scale_invs[i] = (k, v)`."""
+    """A transformers `Cache` of `FP8KVLayer`s, one per attention layer, from `scale_invs[layer_idx] = (k, v)` (a
+    list: layers 0, 1, ...). With the model's `config`, the layers that keep a recurrent state instead
+    (`recurrent_layers`) are transformers' own; every other layer must have scales."""
 
-    def __init__(self, scale_invs: list[tuple[float, float]]):
-        for i, (k, v) in enumerate(scale_invs):
+    def __init__(self, scale_invs: dict[int, tuple[float, float]] | list[tuple[float, float]], config=None):
+        scale_invs = scale_invs if isinstance(scale_invs, dict) else dict(enumerate(scale_invs))
+        for i, (k, v) in scale_invs.items():
             if not (k > 0 and v > 0):
                 raise ValueError(f"FP8 KV cache: layer {i} has no valid k/v scale ({k}, {v}); calibrate first")
-        super().__init__(layers=[FP8KVLayer(k, v) for k, v in scale_invs])
+        recurrent = {} if config is None else recurrent_layers(config)
+        layers = []
+        for i in range(max([*scale_invs, *recurrent], default=-1) + 1):
+            if i in scale_invs:
+                layers.append(FP8KVLayer(*scale_invs[i]))
+            elif i in recurrent:
+                layers.append(recurrent[i])
+            else:
+                raise ValueError(f"FP8 KV cache: decoder layer {i} has neither K/V scales nor a recurrent state")
+        super().__init__(layers=layers)
 
 
 RECORD_QUERY_ATTENTION = "trl_fp8_record_query"
@@ -102,13 +143,23 @@ _query_amax: dict[int, torch.Tensor] | None = None  # set while `calibrate_kv_sc
 
 
 def _called(base: str | None) -> str:
-    # The implementation the model was configured with (transformers' own eager kernels are per model: sdpa stands in).
-    return base if base and base in ALL_ATTENTION_FUNCTIONS else "sdpa"
+    # The implementation the model was configured with (sdpa stands in for one transformers does not register).
+    return base if base and (base == "eager" or base in ALL_ATTENTION_FUNCTIONS) else "sdpa"
 
 
 def _base_attention(module):
     name = _called(getattr(module, "trl_fp8_base_attention", None))
-    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
+    # Eager attention is each model's own function, in its modeling file: what it does beyond sdpa (Gemma 2's logit
+    # softcapping, GPT-OSS's attention sinks, which sdpa would refuse or silently drop) is why a model is eager.
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"FP8 KV cache: {type(module).__name__} is configured for eager attention, but its modeling file has no "
+            "`eager_attention_forward`; load the policy with attn_implementation='sdpa'"
+        )
+    return eager
 
 
 def _record_query(module, query, *args, **kwargs):
@@ -158,8 +209,7 @@ def set_attention(model: torch.nn.Module, attention_names: list[str], implementa
 @contextmanager
 def _recording_queries(model: torch.nn.Module):
     global _query_amax
-    names = [n for n, m in model.named_modules() if n.endswith("self_attn") and hasattr(m, "layer_idx")]
-    previous = set_attention(model, names, RECORD_QUERY_ATTENTION)
+    previous = set_attention(model, attention_module_names(model), RECORD_QUERY_ATTENTION)
     _query_amax = {}
     try:
         yield _query_amax
@@ -169,10 +219,11 @@ def _recording_queries(model: torch.nn.Module):
 
 
 class KVAmaxRecorder(DynamicCache):
-    """A `DynamicCache` that records, for every layer, the per-token amax of the keys and values it stores."""
+    """A `DynamicCache` that records, for every layer, the per-token amax of the keys and values it stores. With
+    `config` its layers are built from the model's layer types (which a model with recurrent layers needs)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, config=None):
+        super().__init__(config=config)
         self.token_amax: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -197,7 +248,8 @@ def calibrate_kv_scales(
     runs on the last position only) on a calibration batch and returns the (num_layers, 3) fp32 tensor of K, V and Q
     dequant multipliers (after RoPE, as the cache and the attention kernel see them), from the padding-free tokens
     only. The forward runs in eval mode (the training modes are restored after)."""
-    recorder = KVAmaxRecorder()
+    config = getattr(decoder, "config", None)
+    recorder = KVAmaxRecorder(config if config is not None and recurrent_layers(config) else None)
     # A measurement takes no dropout; and transformers < 5.24 drops the cache of a training model under gradient
     # checkpointing even without grad (TRL's default), which would leave nothing recorded.
     modes = {m: m.training for m in decoder.modules()}

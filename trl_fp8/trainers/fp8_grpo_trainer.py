@@ -69,6 +69,8 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
       refit; `fp8/kv_calibration_seconds` with the FP8 KV cache), `fp8/backend/<name>` (the learner's kernels); for
       MoE models with the reference engine, `fp8/router_mismatch`, the share of (token, layer) pairs whose top-k
       experts differ between sampler and learner on the same sequences.
+    - `_generate_single_turn`: with the FP8 KV cache, hands the engine its very first calibration batch, rows of
+      the prompts TRL is about to sample (TRL syncs the engine there).
     - `train`: makes TRL refit the engine before a second `train()` call's first generation.
     - `push_to_hub`: with `fp8_save_format="fp8"` uploads the FP8 checkpoint.
 
@@ -109,7 +111,7 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         fsdp_version = check_fsdp_supported(args, lora=lora)
         warn_truncated_sampling(args)
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
-            check_kv_cache_supported(model.config)
+            check_kv_cache_supported(model)
         recipe = args.resolved_fp8_recipe
         if args.fp8_training:
             zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
