@@ -6,7 +6,7 @@ then needs no padding, which keeps the position ids seen by ``generate`` and by 
 
 The shipped model (``DEMO_MODEL_DIR``, made by ``python -m trl_fp8.demo.make_model``) is a small Llama pre-trained on
 this task with noisy answers and stopped early on purpose: greedy decoding solves about 80% of the prompts but sampling
-at temperature 1.0 only about a quarter, so GRPO has a clear, quickly measurable reward signal to improve (see
+at temperature 1.0 only about a third, so GRPO has a clear, quickly measurable reward signal to improve (see
 ``python -m trl_fp8.demo.check_grpo``).
 """
 
@@ -21,7 +21,8 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent / "model"
 
 MIN_OPERAND, MAX_OPERAND = 10, 99
 
-# The GRPO settings every demo run shares (recipes/demo_cpu.yaml writes the same out for the example script).
+# The GRPO settings every demo run shares (recipes/demo_cpu.yaml writes the same out for the example script, which
+# keeps its progress bar: disable_tqdm is the one setting it leaves out).
 DEMO_GRPO_KWARGS = dict(
     num_generations=8,
     max_completion_length=6,  # answers are at most 3 digits + <eos>

@@ -62,7 +62,9 @@ class FP8GRPOConfig(GRPOConfig):
             metrics), configured by TRL's `vllm_*` fields.
         fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
             Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
-            `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch.
+            `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch,
+            unless TRL computes the old log-probs anyway (`gradient_accumulation_steps` not a multiple of
+            `steps_per_generation * num_iterations`).
 
         > Parameters of [`trl.GRPOConfig`] whose defaults change
 
