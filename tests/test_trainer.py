@@ -130,13 +130,26 @@ def test_sync_metrics_measure_the_stream_and_mismatch_metrics_switch_off(tmp_pat
 
 def test_mismatch_metrics_without_the_correction_run_the_learner(tmp_path, demo_tokenizer):
     """With the IS correction off TRL computes no learner log-probs for the batch; the metrics then run the learner
-    themselves, so an FP8 sampler behind a high-precision learner still shows its mismatch."""
+    themselves, so an FP8 sampler behind a high-precision learner still shows its mismatch, in training and in
+    evaluation, in chunks of the mode's batch size as TRL's own forwards."""
     trainer = digit_trainer(
-        tmp_path, demo_tokenizer, max_steps=1, fp8_training=False, vllm_importance_sampling_correction=False
-    )
+        tmp_path, demo_tokenizer, max_steps=1, fp8_training=False, vllm_importance_sampling_correction=False,
+        per_device_eval_batch_size=8,
+    )  # fmt: skip
+    chunks, forward = [], trainer._get_per_token_logps_and_entropies
+
+    def recorded(*args, batch_size=None, **kwargs):
+        chunks.append((trainer.model.training, batch_size))
+        return forward(*args, batch_size=batch_size, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recorded
     trainer.train()
     log = next(log for log in trainer.state.log_history if "loss" in log)
     assert log["sampling/token_mult_prob_error"] > 1.0 and log["sampling/gen_kl"] > 0.0
+    chunks.clear()
+    metrics = trainer.evaluate(make_dataset(8, seed=1))
+    assert metrics["eval_sampling/token_mult_prob_error"] > 1.0
+    assert trainer.args.per_device_train_batch_size == 4 and (False, 8) in chunks and (False, 4) not in chunks
 
 
 def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_tokenizer):

@@ -39,8 +39,9 @@ class MismatchMetrics:
             self._metrics[mode]["fp8/router_mismatch"].append(differ / total)
 
     @torch.no_grad()
-    def _learner_logps(self, output) -> torch.Tensor:
-        """Learner log-probs of the sampled tokens, for metrics when TRL did not compute them (IS off)."""
+    def _learner_logps(self, output, mode: str) -> torch.Tensor:
+        """Learner log-probs of the sampled tokens, for metrics when TRL did not compute them (IS off), in chunks of
+        the mode's batch size, as TRL's own forwards."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logps, _, _ = self._get_per_token_logps_and_entropies(
@@ -48,7 +49,9 @@ class MismatchMetrics:
             input_ids,
             attention_mask,
             output["completion_ids"].size(1),
-            batch_size=self.args.per_device_train_batch_size,
+            batch_size=self.args.per_device_train_batch_size
+            if mode == "train"
+            else self.args.per_device_eval_batch_size,
         )
         return logps
 
@@ -56,7 +59,7 @@ class MismatchMetrics:
         gen = output["sampling_per_token_logps"]
         train = output.get("old_per_token_logps")
         if train is None:
-            train = self._learner_logps(output)
+            train = self._learner_logps(output, mode)
         mask = output["completion_mask"]
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
