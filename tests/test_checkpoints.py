@@ -152,6 +152,52 @@ def test_push_to_hub_uploads_the_fp8_checkpoint(tmp_path, demo_tokenizer, monkey
     assert "quantization_config" not in json.loads((tmp_path / "checkpoint" / "config.json").read_text())
 
 
+def test_pushes_during_lora_training_leave_no_adapter_beside_the_final_fp8_checkpoint(
+    tmp_path, demo_tokenizer, monkeypatch
+):
+    """With `hub_strategy="every_save"` Trainer copies each checkpoint's adapter into `output_dir` and uploads it. The
+    final FP8 checkpoint (adapters merged) replaces it, locally and in the repository: left there, transformers would
+    load the adapter a second time on top of the merged weights (or, from the Hub, the adapter's base model instead
+    of them). The Hub cannot be reached: its upload is replaced by a recorder (the one stand-in)."""
+    from peft import LoraConfig
+
+    uploads = []
+
+    class Recorder:
+        def upload_folder(self, folder_path, **kwargs):
+            uploads.append((sorted(p.name for p in Path(folder_path).iterdir()), kwargs.get("delete_patterns")))
+            return Done()
+
+    class Done:
+        def done(self):
+            return True
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", Recorder)
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, max_steps=2, fp8_save_format="fp8", save_strategy="steps", save_steps=1),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
+    )
+    trainer.args.push_to_hub = True  # as push_to_hub=True would (Trainer.init_hf_repo creates the repository)
+    trainer.hub_model_id, trainer.push_in_progress = "someone/tiny-fp8-lora", None
+    trainer.train()
+    assert "adapter_model.safetensors" in uploads[-1][0] and uploads[-1][1] is None  # a checkpoint's push
+    with pytest.warns(UserWarning, match=r"held adapter_config.json, adapter_model.safetensors from an earlier save"):
+        trainer.save_model()  # the example script's last step: writes output_dir, then pushes it
+    files, deleted = uploads[-1]
+    assert "adapter_config.json" not in files and "adapter_model.safetensors" not in files
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(deleted) and "model.safetensors" not in deleted
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not any("lora_" in name for name, _ in loaded.named_parameters())
+    name = "model.layers.0.self_attn.q_proj"
+    # (transformers dequantizes block-FP8 checkpoints on CPU): the merged weight the FP8 layer computed with
+    expected = dequantize_blockwise(*trainer.model.get_base_model().get_submodule(name).quantized_weight())
+    assert torch.equal(loaded.get_submodule(name).weight.detach(), expected)
+
+
 class StopAt(TrainerCallback):
     def __init__(self, step: int):
         self.step = step

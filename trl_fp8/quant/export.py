@@ -15,9 +15,11 @@ the recipe selects are then quantized here, with the recipe's rule.
 
 import contextlib
 import copy
+import fnmatch
 import itertools
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -299,6 +301,38 @@ def stream_checkpoint_names(
     return CheckpointNames(model, stream, prefixes)
 
 
+# The files of a model folder that a block-FP8 checkpoint replaces: another save's weights (sharded, or `.bin`) or a
+# PEFT adapter. Left beside `model.safetensors`, transformers would load the adapter on top of the merged FP8 weights
+# (or the adapter's base model instead of them) and vLLM would read the shards an index names.
+REPLACED_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _remove_replaced_files(save_directory: str) -> None:
+    replaced = sorted(
+        name
+        for name in os.listdir(save_directory)
+        if os.path.isfile(os.path.join(save_directory, name))
+        and any(fnmatch.fnmatch(name, pattern) for pattern in REPLACED_FILES)
+    )
+    if replaced:
+        warnings.warn(
+            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (a checkpoint's master weights "
+            "or adapter, which Trainer's pushes during training copy there); removed, as the FP8 checkpoint written "
+            "there replaces them",
+            stacklevel=3,
+        )
+    for name in replaced:
+        os.remove(os.path.join(save_directory, name))
+
+
 def save_fp8_checkpoint(
     model: nn.Module, save_directory: str, recipe, gather: Gather | None = None, write: bool = True
 ) -> list[str]:
@@ -306,7 +340,8 @@ def save_fp8_checkpoint(
     under the names `save_pretrained` gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints
     store them) plus `config.json` with the recipe's `quantization_config` (what stays in high precision listed in
     `modules_to_not_convert`, in transformers' module names, and, where the checkpoint's differ, in
-    `ignored_layers` for vLLM). `gather` as in `iter_fp8_state`; `write=False` reads the stream and writes nothing
+    `ignored_layers` for vLLM); the folder's files that it replaces (`REPLACED_FILES`: an adapter, another save's
+    shards) are removed. `gather` as in `iter_fp8_state`; `write=False` reads the stream and writes nothing
     (ZeRO-3's gathers are collective: the ranks that do not write read it too). Returns the checkpoint names of the
     FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
@@ -322,6 +357,7 @@ def save_fp8_checkpoint(
     fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
     kept = high_precision_modules(model, fp8_modules)
     os.makedirs(save_directory, exist_ok=True)
+    _remove_replaced_files(save_directory)
     save_file(
         # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
         {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()},

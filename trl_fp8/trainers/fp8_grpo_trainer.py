@@ -21,7 +21,7 @@ from ..generation.vllm_fp8 import FP8VLLMGeneration
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8, fp8_modules
-from ..quant.export import save_fp8_checkpoint, stream_checkpoint_names
+from ..quant.export import REPLACED_FILES, save_fp8_checkpoint, stream_checkpoint_names
 from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.te_linear import is_te_linear
@@ -307,7 +307,10 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         # fp8_save_format="fp8" that folder must hold the FP8 checkpoint, not the master weights.
         self._saving_for_push = True
         try:
-            return super().push_to_hub(*args, **kwargs)
+            if self.args.fp8_save_format != "fp8":
+                return super().push_to_hub(*args, **kwargs)
+            with _uploads_deleting(REPLACED_FILES):
+                return super().push_to_hub(*args, **kwargs)
         finally:
             self._saving_for_push = False
 
@@ -356,6 +359,32 @@ def _by_name(model, reward_funcs, args, more: tuple, kwargs: dict) -> dict:
     one raises Python's own `TypeError`)."""
     bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *more, **kwargs).arguments
     return dict(list(bound.items())[4:])
+
+
+@contextmanager
+def _uploads_deleting(patterns: tuple[str, ...]):
+    """Makes Trainer's uploads delete the repository's files matching `patterns` in the same commit: the pushes during
+    training (`hub_strategy="every_save"`) uploaded the checkpoints' master weights or adapters, which the final FP8
+    checkpoint replaces (the upload adds files, it never removes any by itself)."""
+    import transformers.trainer as hf_trainer
+
+    original = hf_trainer.hf_api
+
+    class _Api:
+        def __init__(self):
+            self._api = original()
+
+        def __getattr__(self, name):
+            return getattr(self._api, name)
+
+        def upload_folder(self, *args, **kwargs):
+            return self._api.upload_folder(*args, delete_patterns=list(patterns), **kwargs)
+
+    hf_trainer.hf_api = _Api
+    try:
+        yield
+    finally:
+        hf_trainer.hf_api = original
 
 
 @contextmanager
