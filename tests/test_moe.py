@@ -17,7 +17,7 @@ from trl_fp8.demo.tiny_moe import tiny_deepseek_v3 as deepseek_v3
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe as qwen3_moe
 from trl_fp8.generation import build_sampler_model
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
-from trl_fp8.quant import dequantize_blockwise, iter_fp8_state, quantize_blockwise
+from trl_fp8.quant import FP8Linear, dequantize_blockwise, iter_fp8_state, quantize_blockwise
 from trl_fp8.quant.export import load_state_stream, save_fp8_checkpoint
 from trl_fp8.quant.moe import FP8Experts, W8A8Experts, capture_routing
 
@@ -223,3 +223,59 @@ def test_router_mismatch_counts_real_tokens_only(tmp_path, demo_tokenizer):
         model(input_ids=ids, attention_mask=mask)
     padded = (mask == 0).flatten()
     assert not (sampled[0].sort(-1).values != learned[0].sort(-1).values).any(-1)[padded].all()
+
+
+def test_routers_whose_linear_is_a_child_stay_in_high_precision():
+    """Some routers hold their linear as a child: HunYuan-MoE's `mlp.gate.wg`, LongCat-Flash's
+    `mlp.router.classifier` (768 outputs at its real size: whole 128-blocks). They stay in high precision as every
+    router does; LongCat's reads `classifier.weight` itself, which the sampler held as raw E4M3 codes (router logits
+    6000x too large, a sixth of the tokens routed elsewhere)."""
+    import transformers
+    from torch import nn
+
+    torch.manual_seed(0)
+    hunyuan = transformers.HunYuanMoEV1ForCausalLM(
+        transformers.HunYuanMoEV1Config(
+            vocab_size=128,
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=128,
+            moe_topk=2,
+        )  # fmt: skip
+    )
+    longcat = transformers.LongcatFlashForCausalLM(
+        transformers.LongcatFlashConfig(
+            vocab_size=128,
+            hidden_size=256,
+            num_layers=1,
+            num_attention_heads=4,
+            kv_lora_rank=128,
+            q_lora_rank=128,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            ffn_hidden_size=256,
+            expert_ffn_hidden_size=128,
+            n_routed_experts=96,
+            zero_expert_num=32,
+            num_experts_per_tok=2,
+        )  # fmt: skip
+    ).eval()
+    for model, router in ((hunyuan, "model.layers.0.mlp.gate.wg"), (longcat, "model.layers.0.mlp.router.classifier")):
+        convert_to_fp8(model, FP8Recipe())
+        assert type(model.get_submodule(router)) is nn.Linear, router
+        assert any(isinstance(m, FP8Linear) for m in model.modules())
+    sampler = build_sampler_model(longcat, FP8Recipe(), fp8=True, dtype=torch.float32)
+    load_state_stream(sampler, iter_fp8_state(longcat))
+    logits, ids = [], torch.randint(0, 128, (2, 16))
+    for m in (longcat, sampler):
+        hook = m.model.layers[0].mlp.router.register_forward_hook(lambda mod, args, out: logits.append(out[0]))
+        with torch.no_grad():
+            m(ids)
+        hook.remove()
+    # One router weight in both; its inputs come out of the learner's FP8 linears and the sampler's W8A8 ones.
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

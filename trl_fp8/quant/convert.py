@@ -23,12 +23,14 @@ from .te_linear import is_te_linear, te_linear_class, te_recipe_status, te_statu
 
 logger = logging.getLogger(__name__)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_ROUTER_RE = re.compile(r"(?:^|\.)(?:gate|router)$")
+# A router, or the linear a router module holds (HunYuan-MoE's `mlp.gate.wg`, LongCat-Flash's `mlp.router.classifier`).
+_ROUTER_RE = re.compile(r"(?:^|\.)(?:gate|router)(?:\.[^.]+)?$")
 
 
 def is_router(name: str) -> bool:
-    """Whether the module `name` is an MoE router (`...mlp.gate`, `...router`), which always stays in high
-    precision."""
+    """Whether the module `name` is an MoE router (`...mlp.gate`, `...router`) or the linear inside one
+    (`...mlp.gate.wg`), which always stays in high precision (some routers also read their linear's `.weight`
+    themselves, which in the sampler would be FP8 codes)."""
     return _LAYER_RE.search(name) is not None and _ROUTER_RE.search(name) is not None
 
 
