@@ -234,37 +234,17 @@ def test_routers_whose_linear_is_a_child_stay_in_high_precision():
     from torch import nn
 
     torch.manual_seed(0)
-    hunyuan = transformers.HunYuanMoEV1ForCausalLM(
-        transformers.HunYuanMoEV1Config(
-            vocab_size=128,
-            hidden_size=256,
-            intermediate_size=256,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_experts=128,
-            moe_topk=2,
-        )  # fmt: skip
-    )
-    longcat = transformers.LongcatFlashForCausalLM(
-        transformers.LongcatFlashConfig(
-            vocab_size=128,
-            hidden_size=256,
-            num_layers=1,
-            num_attention_heads=4,
-            kv_lora_rank=128,
-            q_lora_rank=128,
-            qk_rope_head_dim=64,
-            qk_nope_head_dim=64,
-            v_head_dim=64,
-            ffn_hidden_size=256,
-            expert_ffn_hidden_size=128,
-            n_routed_experts=96,
-            zero_expert_num=32,
-            num_experts_per_tok=2,
-        )  # fmt: skip
-    ).eval()
+    hunyuan = transformers.HunYuanMoEV1Config(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=128, moe_topk=2,
+    )  # fmt: skip
+    longcat = transformers.LongcatFlashConfig(
+        vocab_size=128, hidden_size=256, num_layers=1, num_attention_heads=4, kv_lora_rank=128, q_lora_rank=128,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, ffn_hidden_size=256, expert_ffn_hidden_size=128,
+        n_routed_experts=96, zero_expert_num=32, num_experts_per_tok=2,
+    )  # fmt: skip
+    hunyuan = transformers.HunYuanMoEV1ForCausalLM(hunyuan)
+    longcat = transformers.LongcatFlashForCausalLM(longcat).eval()
     for model, router in ((hunyuan, "model.layers.0.mlp.gate.wg"), (longcat, "model.layers.0.mlp.router.classifier")):
         convert_to_fp8(model, FP8Recipe())
         assert type(model.get_submodule(router)) is nn.Linear, router
