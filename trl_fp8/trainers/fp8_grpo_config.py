@@ -58,8 +58,9 @@ class FP8GRPOConfig(GRPOConfig):
             e.g. `{"enforce_eager": true, "max_num_batched_tokens": 8192}`. The keys the engine sets itself (model,
             quantization, load_format, seed, tensor_parallel_size, kv_cache_dtype, ...) are refused with the config
             field to use instead, and so is `speculative_config` (the refit never reaches a draft model). Only
-            `vllm_mode="colocate"` is supported. Refused unless `use_vllm=True` and `fp8_generation=True`: with `fp8_generation=False` TRL's own BF16 vLLM engine samples (no `fp8/sync_*`
-            metrics), configured by TRL's `vllm_*` fields.
+            `vllm_mode="colocate"` is supported. Refused unless `use_vllm=True` and `fp8_generation=True`: with
+            `fp8_generation=False` TRL's own BF16 vLLM engine samples (no `fp8/sync_*` metrics), configured by TRL's
+            `vllm_*` fields.
         fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
             Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
             `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch,
