@@ -124,6 +124,35 @@ def test_a_checkpoint_is_described_by_the_recipe_its_weights_were_quantized_with
     assert not (tmp_path / "model.safetensors").exists()
 
 
+def test_a_large_fp8_checkpoint_is_written_in_shards_that_replace_an_earlier_save(tmp_path, tiny_llama):
+    """Above `max_shard_size` (transformers' 50 GB by default: the Hub takes no larger file) the checkpoint is written
+    in shards with their index, as `save_pretrained` names them, and loads in transformers as one. A folder's earlier
+    save, single file or shards, is replaced: loaders would take it instead (transformers prefers a single file to an
+    index, vLLM reads the shards an index names)."""
+    model = convert_to_fp8(tiny_llama, FP8Recipe())
+    expected = {
+        n: dequantize_blockwise(*m.quantized_weight()) for n, m in model.named_modules() if isinstance(m, FP8Linear)
+    }
+
+    def loads_as_the_learner():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        return all(torch.equal(loaded.get_submodule(n).weight.detach(), w) for n, w in expected.items())
+
+    save_fp8_checkpoint(model, str(tmp_path), FP8Recipe(), max_shard_size="400KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in shards)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == shards
+    assert sum(len(load_file(tmp_path / s)) for s in shards) == len(index["weight_map"])
+    assert loads_as_the_learner()
+    with pytest.warns(UserWarning, match=r"held model-00001-of-\d{5}\.safetensors, .*model\.safetensors\.index\.json"):
+        save_fp8_checkpoint(model, str(tmp_path), FP8Recipe())
+    assert [p.name for p in tmp_path.glob("*.safetensors*")] == ["model.safetensors"] and loads_as_the_learner()
+    with pytest.warns(UserWarning, match=r"held model\.safetensors from an earlier save"):
+        save_fp8_checkpoint(model, str(tmp_path), FP8Recipe(), max_shard_size="400KB")
+    assert not (tmp_path / "model.safetensors").exists() and loads_as_the_learner()
+
+
 def test_push_to_hub_uploads_the_fp8_checkpoint(tmp_path, demo_tokenizer, monkeypatch):
     """The Hub cannot be reached here: its upload is replaced by a recorder of what the folder holds when it would be
     uploaded (the one stand-in). Trainer.push_to_hub saves before uploading, and that save must be the FP8 one."""

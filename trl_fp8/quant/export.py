@@ -17,6 +17,7 @@ import contextlib
 import copy
 import fnmatch
 import itertools
+import json
 import os
 import re
 import warnings
@@ -315,35 +316,59 @@ REPLACED_FILES = (
 )
 
 
-def _remove_replaced_files(save_directory: str) -> None:
+def _remove_replaced_files(save_directory: str, patterns: tuple[str, ...]) -> None:
     replaced = sorted(
         name
         for name in os.listdir(save_directory)
         if os.path.isfile(os.path.join(save_directory, name))
-        and any(fnmatch.fnmatch(name, pattern) for pattern in REPLACED_FILES)
+        and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
     )
     if replaced:
         warnings.warn(
-            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (a checkpoint's master weights "
-            "or adapter, which Trainer's pushes during training copy there); removed, as the FP8 checkpoint written "
-            "there replaces them",
+            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a "
+            "checkpoint's adapter, which Trainer's pushes during training copy there); removed, as the FP8 checkpoint "
+            "written there replaces them",
             stacklevel=3,
         )
     for name in replaced:
         os.remove(os.path.join(save_directory, name))
 
 
+def _write_shards(tensors: dict[str, torch.Tensor], save_directory: str, max_shard_size: int | str) -> None:
+    """`model.safetensors`, or shards of at most `max_shard_size` and their index, as `save_pretrained` names them (the
+    Hub takes no file above 50 GB); one shard at a time in CPU memory. A folder's earlier single file or shards, which
+    loaders would take instead, are removed first."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    _remove_replaced_files(save_directory, REPLACED_FILES + (("model.safetensors",) if split.is_sharded else ()))
+    for filename, names in split.filename_to_tensors.items():
+        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
+        shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
+        save_file(shard, os.path.join(save_directory, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, "total_size": sum(t.nbytes for t in tensors.values())}}
+        index["weight_map"] = split.tensor_to_filename
+        with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+
+
 def save_fp8_checkpoint(
-    model: nn.Module, save_directory: str, recipe, gather: Gather | None = None, write: bool = True
+    model: nn.Module,
+    save_directory: str,
+    recipe,
+    gather: Gather | None = None,
+    write: bool = True,
+    max_shard_size: int | str = "50GB",
 ) -> list[str]:
-    """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors`
-    under the names `save_pretrained` gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints
-    store them) plus `config.json` with the recipe's `quantization_config` (what stays in high precision listed in
-    `modules_to_not_convert`, in transformers' module names, and, where the checkpoint's differ, in
-    `ignored_layers` for vLLM); the folder's files that it replaces (`REPLACED_FILES`: an adapter, another save's
-    shards) are removed. `gather` as in `iter_fp8_state`; `write=False` reads the stream and writes nothing
-    (ZeRO-3's gathers are collective: the ranks that do not write read it too). Returns the checkpoint names of the
-    FP8 weights."""
+    """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors` (or
+    shards of at most `max_shard_size`, transformers' default, and their index) under the names `save_pretrained`
+    gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints store them) plus `config.json`
+    with the recipe's `quantization_config` (what stays in high precision listed in `modules_to_not_convert`, in
+    transformers' module names, and, where the checkpoint's differ, in `ignored_layers` for vLLM); the folder's
+    files that it replaces (`REPLACED_FILES`: an adapter, another save's weights) are removed. `gather` as in
+    `iter_fp8_state`; `write=False` reads the stream and writes nothing (ZeRO-3's gathers are collective: the ranks
+    that do not write read it too). Returns the checkpoint names of the FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
     if converted and model.fp8_recipe != recipe:
         # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
@@ -357,13 +382,7 @@ def save_fp8_checkpoint(
     fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
     kept = high_precision_modules(model, fp8_modules)
     os.makedirs(save_directory, exist_ok=True)
-    _remove_replaced_files(save_directory)
-    save_file(
-        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
-        {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()},
-        os.path.join(save_directory, "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    _write_shards(tensors, save_directory, max_shard_size)
     config = copy.deepcopy(model.config)
     config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
     if (checkpoint_kept := checkpoint_module_names(model, kept)) != kept:
