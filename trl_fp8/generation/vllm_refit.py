@@ -61,7 +61,8 @@ def restore_unprocessed_layers(model) -> bool:
     finished (vLLM's `initialize_layerwise_reload` moved them to the meta device, and only its finalize puts them
     back), and clears the reload's per-layer state, from which the next reload would otherwise resume (it skips the
     layers still marked as loading, and replays their buffered weights). The layers processed before the failure keep
-    their new weights. Returns False where this vLLM's reload is not the layerwise one read here (0.22 to 0.32)."""
+    their new weights. Read in vLLM 0.31's and 0.32's `reload/layerwise.py`; returns False where a vLLM lacks what it
+    uses (the error then goes on alone)."""
     try:
         from vllm.model_executor.model_loader.reload import layerwise
     except ImportError:
