@@ -380,13 +380,28 @@ def test_every_family_decodes_through_the_fp8_kv_cache_as_it_reads_the_whole_seq
         assert all(_base_attention(a) is own for a in attn)
 
 
-def test_fp8_kv_cache_is_refused_where_vllm_finds_no_self_attn_scales():
-    """GPT-NeoX names its attention `attention`: vLLM would find no `self_attn.k_scale` to load, so the FP8 KV cache
-    is refused at start, by name, instead of failing at the first sync."""
-    with pytest.raises(
-        ValueError, match=r"not supported for gpt_neox: its attention modules are not named `self_attn`"
-    ):
-        ReferenceEngine(
-            tiny("gpt_neox"), Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
-            eos_token_ids=[2], pad_token_id=0,
-        )  # fmt: skip
+def test_fp8_kv_cache_is_refused_where_it_cannot_hold_the_cache():
+    """Refused at start, by name, instead of failing at the first sync: GPT-NeoX names its attention `attention`, where
+    vLLM would find no `self_attn.k_scale` to load; Falcon-H1's layers run Mamba beside attention, one cache layer
+    holding a recurrent state and K/V together, which the FP8 KV cache has no layer for."""
+    falcon_h1 = transformers.FalconH1Config(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, mamba_d_ssm=256, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16,
+        mamba_n_groups=1, mamba_chunk_size=16,
+    )  # fmt: skip
+    refused = [
+        (tiny("gpt_neox"), r"not supported for gpt_neox: its attention modules are not named `self_attn`"),
+        (
+            transformers.FalconH1ForCausalLM(falcon_h1),
+            r"not supported for falcon_h1: its layers \[0, 1\] keep a recurrent state and a K/V cache together",
+        ),
+    ]
+    for model, message in refused:
+        with pytest.raises(ValueError, match=message):
+            ReferenceEngine(
+                model, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+                eos_token_ids=[2], pad_token_id=0,
+            )  # fmt: skip
+    # Every decoder layer needs K/V scales or, from the model's config, a recurrent state in the FP8 KV cache.
+    with pytest.raises(ValueError, match=r"decoder layer 1 has neither K/V scales nor a recurrent state"):
+        FP8KVCache({0: (0.1, 0.1), 2: (0.1, 0.1)})

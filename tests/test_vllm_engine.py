@@ -84,7 +84,7 @@ def test_llm_kwargs_for_a_recipe():
     ("key", "hint"),
     [("seed", "FP8GRPOConfig.seed"), ("tensor_parallel_size", "vllm_tensor_parallel_size"),
      ("quantization", "fp8_recipe"), ("kv_cache_dtype", "fp8_kv_cache"), ("load_format", "first sync"),
-     ("speculative_config", "draft model would propose from random weights")],
+     ("speculative_config", "a draft model would propose from random weights")],
 )  # fmt: skip
 def test_reserved_llm_kwargs_are_refused_at_config_time(key, hint):
     with pytest.raises(ValueError, match=rf"vllm_llm_kwargs\['{key}'\].*{hint}"):

@@ -31,8 +31,8 @@ class FP8Recipe(PushToHubMixin):
         backend (`str`, *optional*, defaults to `"auto"`):
             GEMM backend of the learner: `"auto"` (TE where it runs the recipe, else `torch`, else `triton`, else
             `emulated`; `emulated` for weight blocks other than 128x128), `"emulated"` (dequantize + fp32 matmul, any
-            device), `"torch"` (`F.scaled_mm` blockwise, Hopper), `"triton"` (trl-fp8's Triton kernels, Hopper and newer) or
-            `"te"` (TransformerEngine).
+            device), `"torch"` (`F.scaled_mm` blockwise, Hopper), `"triton"` (trl-fp8's Triton kernels, Hopper and
+            newer) or `"te"` (TransformerEngine).
         num_first_layers_in_bf16 (`int`, *optional*, defaults to `0`):
             Keep the linears of this many first decoder layers in high precision.
         num_last_layers_in_bf16 (`int`, *optional*, defaults to `0`):

@@ -61,7 +61,7 @@ RESERVED_LLM_KWARGS = {
     "kv_cache_dtype": "FP8GRPOConfig.fp8_kv_cache",
     "trust_remote_code": "FP8GRPOConfig.trust_remote_code",
     # A draft model (or an MTP head) starts from `dummy`'s random weights too, and the refit never reaches it.
-    "speculative_config": "nothing: the refit loads the policy only, so a draft model would propose from random weights",
+    "speculative_config": "nothing: the refit loads the policy only; a draft model would propose from random weights",
 }
 
 

@@ -325,9 +325,8 @@ def _remove_replaced_files(save_directory: str, patterns: tuple[str, ...]) -> No
     )
     if replaced:
         warnings.warn(
-            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a "
-            "checkpoint's adapter, which Trainer's pushes during training copy there); removed, as the FP8 checkpoint "
-            "written there replaces them",
+            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a PEFT "
+            "adapter); removed, as the FP8 checkpoint written there replaces them",
             stacklevel=3,
         )
     for name in replaced:
@@ -347,8 +346,7 @@ def _write_shards(tensors: dict[str, torch.Tensor], save_directory: str, max_sha
         shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
         save_file(shard, os.path.join(save_directory, filename), metadata={"format": "pt"})
     if split.is_sharded:
-        index = {"metadata": {**split.metadata, "total_size": sum(t.nbytes for t in tensors.values())}}
-        index["weight_map"] = split.tensor_to_filename
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
 
