@@ -309,3 +309,57 @@ def test_autocast_runs_the_linears_in_its_dtype_as_nn_linear_does(fuse_siblings)
         assert torch.equal(got, proj(xb)), proj.fp8_name
     (q.float().sum() + k.float().sum() + v.float().sum()).backward()
     assert x.grad.dtype == torch.float32 and attn.q_proj.weight.grad.dtype == torch.float32
+
+
+def _attention() -> nn.Module:
+    """q, k and v FP8Linears stacked as one sibling group."""
+    from trl_fp8.quant.siblings import group_siblings
+
+    torch.manual_seed(0)
+    attn = nn.Module()
+    for name, out_f in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
+        setattr(attn, name, FP8Linear.from_linear(nn.Linear(256, out_f), backend="emulated", name=name))
+    assert group_siblings(attn)
+    return attn
+
+
+def assert_quantizes_its_weight(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> None:
+    q_ref, s_ref = quantize_blockwise(w.detach(), (128, 128))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+# `.to()` and friends swap new values in through `param.data = ...`, which keeps the version counter, and the new
+# storage may take the old address (it often does after `.half().float()`): "same_address" forces that case.
+MOVES = {
+    "half_float": lambda m: m.half().float(),
+    "same_address": lambda m: m._apply(lambda t: t.data.mul_(2)),
+}
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_moving_a_layer_drops_its_fp8_caches(move):
+    attn, (_, alone) = _attention(), make_layer()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        attn.q_proj(x), alone(torch.randn(2, 384))  # caches filled; k's and v's outputs pending
+    MOVES[move](attn), MOVES[move](alone)
+    group = attn.q_proj._siblings
+    assert alone._w_cache is None and group._cache is None and group._pending is None
+    for m in (alone, attn.q_proj, attn.k_proj, attn.v_proj):
+        assert_quantizes_its_weight(*m.quantized_weight(), m.weight)
+    with torch.no_grad():
+        fresh = FP8Linear.from_linear(attn.k_proj.to_linear(), backend="emulated")  # alone, on the moved weight
+        assert torch.equal(attn.k_proj(x), fresh(x))
+
+
+def test_double_backward_is_refused_not_answered_without_a_graph():
+    """The FP8 backwards are not differentiable: `create_graph=True` used to return a dX without a graph, and a
+    gradient penalty built on it silently lost its FP8 terms."""
+    attn, (_, alone) = _attention(), make_layer(in_f=256)
+    for layer in (alone, attn.q_proj):
+        x = torch.randn(3, 256, requires_grad=True)
+        (dx_ref,) = torch.autograd.grad(layer(x).square().sum(), x)
+        (dx,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        assert torch.equal(dx, dx_ref)  # first-order gradients are unchanged
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            dx.square().sum().backward()

@@ -191,3 +191,40 @@ def test_adapters_added_after_conversion_are_not_streamed_without_their_fp8_laye
         list(iter_fp8_state(model.get_base_model()))
     convert_lora_layers(model.get_base_model())
     assert len(list(iter_fp8_state(model.get_base_model()))) > 0
+
+
+@pytest.mark.parametrize(
+    "lora,message",
+    [(dict(lora_dropout=0.5), r"lora_dropout must be 0"), (dict(use_dora=True), r"LoRA variant DoraLinearVariant")],
+    ids=["dropout", "dora"],
+)
+def test_an_adapter_added_to_an_fp8_layer_after_conversion_is_checked_too(lora, message):
+    """PEFT's `add_adapter` puts a new adapter into the converted layer itself: its dropout or variant, which the
+    merged weight cannot carry, is refused at the first forward or export that activates it, naming both."""
+    from trl_fp8.quant import iter_fp8_state
+
+    model = fp8_lora_llama()
+    model.add_adapter("other", LoraConfig(r=4, target_modules=["q_proj"], **lora))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, FP8LoraLinear)
+    x = torch.randn(3, 256)
+    layer(x)  # an inactive adapter does not matter
+    model.base_model.set_adapter(["default", "other"])
+    pattern = rf"model.layers.0.self_attn.q_proj: .*{message}.*'other'"
+    with pytest.raises(ValueError, match=pattern):
+        layer(x)
+    with pytest.raises(ValueError, match=pattern):
+        list(iter_fp8_state(model.get_base_model()))
+
+
+@pytest.mark.parametrize("move", ["half_float", "same_address"])
+def test_moving_an_fp8_lora_layer_drops_its_merged_weight(move):
+    from test_linear import MOVES, assert_quantizes_its_weight
+
+    model = fp8_lora_llama()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer(torch.randn(2, 256))
+    MOVES[move](layer)
+    assert layer._fp8_cache is None
+    assert_quantizes_its_weight(*layer.quantized_weight(), merged_weight(layer))

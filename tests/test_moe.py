@@ -259,3 +259,21 @@ def test_routers_whose_linear_is_a_child_stay_in_high_precision():
         hook.remove()
     # One router weight in both; its inputs come out of the learner's FP8 linears and the sampler's W8A8 ones.
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("move", ["half_float", "same_address"])
+def test_moving_the_experts_drops_their_fp8_caches(move):
+    from test_linear import MOVES
+
+    model = convert_to_fp8(qwen3_moe(), FP8Recipe(backend="emulated"))
+    experts = model.model.layers[0].mlp.experts
+    experts.quantized_with_t("down_proj"), experts.quantized("gate_up_proj")
+    MOVES[move](experts)
+    assert experts._cache == {}
+    for which in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, which).detach()
+        q, s, qt = experts.quantized_with_t(which)
+        q_ref, s_ref = quantize_blockwise(w.reshape(-1, w.shape[-1]), (128, 128))
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8).view(q.shape))
+        assert torch.equal(s, s_ref.view(s.shape))
+        assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))

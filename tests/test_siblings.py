@@ -252,3 +252,26 @@ def test_group_refuses_members_it_cannot_stack_by_name():
         ValueError, match=r"model.layers.0.self_attn.k_half.weight has 64 rows, not whole 128-row blocks"
     ):
         FP8SiblingGroup([attn.q_proj, half])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_one_sibling_runs_alone_as_the_original_ran(how):
+    """Copying one grouped linear copies its group, whose other members only the group references (weakly): once
+    they are gone the copy runs alone, bit-equal to the stacked original."""
+    fused, _ = _pair("qwen2", num_hidden_layers=1)
+    q_proj = fused.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 256, requires_grad=True)
+    y = q_proj(x)
+    (dx,) = torch.autograd.grad(y.square().sum(), x)
+    if how == "deepcopy":
+        lone = copy.deepcopy(q_proj)
+    else:
+        buffer = io.BytesIO()
+        torch.save(q_proj, buffer)
+        buffer.seek(0)
+        lone = torch.load(buffer, weights_only=False)
+    gc.collect()
+    y_lone = lone(x)
+    assert torch.equal(y_lone, y) and lone._group() is None
+    assert torch.equal(torch.autograd.grad(y_lone.square().sum(), x)[0], dx)
+    assert q_proj._group() is q_proj._siblings  # the original stays grouped

@@ -138,6 +138,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # dX has no graph: a double backward must fail, not get nothing
     def backward(ctx, dy):
         saved_w, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors  # saved_w: FP8 Wᵀ, or W to requantize
         backend, pow2 = ctx.backend, ctx.pow2_scales
@@ -277,11 +278,26 @@ class FP8Linear(nn.Linear):
         """The sibling group this very module belongs to: a `DataParallel` replica (a shallow copy) has its
         original's group in its `__dict__` but is not its member, and runs alone."""
         group = self._siblings
-        return group if group is not None and group.member(self._sibling_index) is self else None
+        if group is None or group.member(self._sibling_index) is not self:
+            return None
+        if any(m is None for m in group.members):
+            # A copy of this linear alone (deepcopy, torch.save) copied its group too, whose other members nobody
+            # holds: dead references never come back, so it leaves the group for good.
+            self._siblings, self._sibling_index = None, 0
+            return None
+        return group
 
     def __getstate__(self):
         # Copies and pickles (deepcopy, torch.save) carry neither the backend modules (not picklable) nor the cache.
         return {**self.__dict__, "_backends": {}, "_w_cache": None}
+
+    def _apply(self, fn, recurse=True):
+        # `.to()`, `.half()`, `.cuda()` put the new tensor in through `param.data = ...`, which keeps the version
+        # counter, and the new storage may take the old address: the cache keys cannot tell the weight changed.
+        self._w_cache = None
+        if self._siblings is not None:
+            self._siblings.drop_caches()
+        return super()._apply(fn, recurse)
 
     def _backend_for(self, device: torch.device):
         if device not in self._backends:

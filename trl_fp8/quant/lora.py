@@ -58,6 +58,7 @@ class _FP8LoraFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
     def backward(ctx, dy):
         w_fp8_t, w_scale_inv_t, x2d, lora_a, lora_b = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -81,10 +82,13 @@ class _FP8LoraFunction(torch.autograd.Function):
         return dx, da, db, dbias, None, None, None, None, None, None, None, None
 
 
-def check_mergeable(layer: LoraLinear, name: str, *, allow_dropout: bool = False) -> None:
-    """Raises a `ValueError` naming the layer and the LoRA option if `layer`'s adapters cannot be merged into one
-    weight, what every sampler holds. Dropout only matters to a layer that trains on its merged weight."""
-    for adapter in layer.lora_A:
+def check_mergeable(
+    layer: LoraLinear, name: str, *, allow_dropout: bool = False, adapters: list[str] | None = None
+) -> None:
+    """Raises a `ValueError` naming the layer and the LoRA option if `layer`'s adapters (all, or those named) cannot
+    be merged into one weight, what every sampler holds. Dropout only matters to a layer that trains on its merged
+    weight."""
+    for adapter in layer.lora_A if adapters is None else adapters:
         if not allow_dropout and not isinstance(layer.lora_dropout[adapter], nn.Identity):
             raise ValueError(
                 f"{name}: LoraConfig.lora_dropout must be 0 for FP8 + LoRA (adapter {adapter!r}): dropout on the "
@@ -127,6 +131,9 @@ class FP8LoraLinear(LoraLinear):
         key, sharded = self._fp8_key(adapters), is_sharded(base.weight, base)
         entry = self._fp8_cache
         if sharded or entry is None or entry[0] != key:
+            # `convert_lora_layers` checked the adapters it saw; one PEFT adds later (`add_adapter`) joins this very
+            # layer, and its dropout or variant would be dropped silently by the merged weight.
+            check_mergeable(self, base.fp8_name.removesuffix(".weight"), adapters=adapters)
             # Merged in the weights' own precision under any autocast (the forward's, none in the backward or the
             # export): one bit pattern for all of them.
             with torch.autocast(base.weight.device.type, enabled=False):
@@ -195,6 +202,10 @@ class FP8LoraLinear(LoraLinear):
 
     def __getstate__(self):
         return {**self.__dict__, "_fp8_cache": None}
+
+    def _apply(self, fn, recurse=True):
+        self._fp8_cache = None  # as FP8Linear's: after `.to()` the key may match a weight that changed
+        return super()._apply(fn, recurse)
 
 
 def convert_lora_layers(model: nn.Module) -> list[str]:

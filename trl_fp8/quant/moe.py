@@ -120,6 +120,10 @@ class FP8Experts(ExpertsGate, nn.Module):
         # Copies and pickles carry neither the backend modules (not picklable) nor the caches.
         return {**self.__dict__, "_backends": {}, "_cache": {}}
 
+    def _apply(self, fn, recurse=True):
+        self._cache = {}  # as FP8Linear's: after `.to()` the keys may match a weight that changed
+        return super()._apply(fn, recurse)
+
     @torch.no_grad()
     def quantized(self, which: str, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """`(q (E, N, K), scale_inv (E, N/128, K/128))` of `gate_up_proj` or `down_proj`, cached like FP8Linear. The

@@ -81,6 +81,7 @@ class _GroupedFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
     def backward(ctx, dy):
         from .backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
 

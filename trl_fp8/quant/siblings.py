@@ -65,6 +65,7 @@ class _FP8SiblingsFunction(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
     def backward(ctx, dy):
         w_fp8_t, w_s_t, xt_fp8, xt_s = ctx.saved_tensors
         group, backend, n = ctx.group, ctx.backend, len(ctx.group.members)
@@ -131,6 +132,10 @@ class FP8SiblingGroup:
 
     def __setstate__(self, state):
         self.__dict__.update(state, _refs=[weakref.ref(m) for m in state["_refs"]])
+
+    def drop_caches(self) -> None:
+        """Forgets the stacked weight and the pending outputs (a member's `.to()`: see `FP8Linear._apply`)."""
+        self._cache = self._pending = None
 
     def backend(self, device: torch.device):
         return self.members[0]._backend_for(device)
