@@ -106,13 +106,15 @@ def test_a_weight_named_like_a_scale_is_cast_as_a_weight(fp8):
 
 @pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic_cache", "static_cache"])
 def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_tokenizer, cache):
-    """Also with `cache_implementation`, which the engine decodes with as TRL's transformers path would."""
+    """Also with `cache_implementation`, which the engine decodes with as TRL's transformers path would (and, as that
+    path, never compiled on its own: transformers would compile the decode under a static cache on a GPU)."""
     temperature = 0.7
     trainer = digit_trainer(
         tmp_path, demo_tokenizer, temperature=temperature, max_completion_length=6, cache_implementation=cache
     )
     engine = trainer.vllm_generation
     assert engine.generation_config.cache_implementation == cache
+    assert engine.generation_config.disable_compile is True
     engine.sync_weights()
     prompts = [demo_tokenizer(p)["input_ids"] for p in make_dataset(4)["prompt"]]
     prompt_ids, completion_ids, logprobs, _ = engine.generate(prompts, None, 1)

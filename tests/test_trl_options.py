@@ -12,7 +12,7 @@ from peft import LoraConfig
 from torch import nn
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from trl_fp8 import FP8GRPOTrainer
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer
 from trl_fp8.demo.families import varied_reward
 from trl_fp8.demo.task import DEMO_MODEL_DIR, accuracy_reward, digit_count_reward, make_dataset
 from trl_fp8.quant import FP8Linear
@@ -137,11 +137,17 @@ def test_sync_ref_model_mixes_into_the_reference_models_fp8_weights(tmp_path):
         (dict(top_k=20), "top_k=20"),
         (dict(top_p=0.9, generation_kwargs={"top_k": 5}), "top_k=5, top_p=0.9"),
         (dict(repetition_penalty=1.2), "repetition_penalty=1.2"),
+        (dict(generation_kwargs={"no_repeat_ngram_size": 1}), "generation_kwargs['no_repeat_ngram_size']=1"),
+        (dict(generation_kwargs={"suppress_tokens": [2]}), "generation_kwargs['suppress_tokens']=[2]"),
         (dict(), None),
+        (dict(generation_kwargs={"no_repeat_ngram_size": 0, "suppress_tokens": []}), None),  # both switched off
         (dict(top_k=20, vllm_importance_sampling_correction=False), None),  # no correction: nothing scales down
     ],
-    ids=["top_k", "generation_kwargs", "repetition_penalty", "full_distribution", "no_correction"],
-)
+    ids=[
+        "top_k", "generation_kwargs", "repetition_penalty", "no_repeat_ngram", "suppress_tokens", "full_distribution",
+        "processors_off", "no_correction",
+    ],
+)  # fmt: skip
 def test_truncated_sampling_is_pointed_out_at_start(tmp_path, demo_tokenizer, caplog, options, said):
     with caplog.at_level(logging.WARNING, logger="trl_fp8"):
         trainer = digit_trainer(tmp_path, demo_tokenizer, max_steps=1, **options)
@@ -152,6 +158,27 @@ def test_truncated_sampling_is_pointed_out_at_start(tmp_path, demo_tokenizer, ca
         trainer.train()
         ratio = trainer.state.log_history[0]["sampling/importance_sampling_ratio/mean"]
         assert ratio < 0.5, ratio  # 0.25 at seed 0: the top 20 of 128 hold about a quarter of a random policy's mass
+
+
+def test_a_sampling_temperature_other_than_the_learners_is_pointed_out(tmp_path, caplog):
+    """`generation_kwargs['temperature']` reaches the sampler only; the learner's log-probs use `temperature`."""
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_truncated_sampling(tiny_grpo_args(tmp_path, temperature=0.7, generation_kwargs={"temperature": 0.7}))
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_truncated_sampling(tiny_grpo_args(tmp_path, generation_kwargs={"temperature": 0.7}))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "generation_kwargs['temperature']=0.7 samples at another temperature" in said[0], said
+    assert "(temperature=1.0)" in said[0]
+
+
+def test_use_transformers_paged_is_refused_by_its_own_name(tmp_path):
+    """TRL's deprecated `use_transformers_paged` sets `use_transformers_continuous_batching`: the refusal names the
+    flag the user set (setting the other to False would change nothing)."""
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="^use_transformers_paged=True conflicts"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_paged=True)
+    with pytest.raises(ValueError, match="^use_transformers_continuous_batching=True conflicts"):
+        FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
 
 
 @pytest.mark.parametrize("use_vllm", [True, False], ids=["vllm", "reference_engine"])

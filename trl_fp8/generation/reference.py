@@ -196,6 +196,7 @@ class ReferenceEngine(LearnerStream):
             pad_token_id=pad_token_id,
             use_cache=True,  # decode with a KV cache, whatever the learner's config says
             cache_implementation=cache_implementation,
+            disable_compile=True,  # as TRL's transformers path: no auto-compile of the decode under a static cache
         )
         # As in TRL, `generation_kwargs` override the sampling parameters; the scores are the engine's own.
         self.generation_config = GenerationConfig(

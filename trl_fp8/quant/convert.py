@@ -156,6 +156,46 @@ def _config_layers(model: nn.Module) -> int | None:
     return getattr(text_config, "num_hidden_layers", None)
 
 
+def check_fp8_selection(
+    model: nn.Module, recipe, warn: bool = True, stacklevel: int = 3
+) -> tuple[list[str], list[str]]:
+    """What `convert_to_fp8` (or an FP8 sampler built from `model`'s architecture) would put in FP8: raises for a
+    model without `...layers.{i}` blocks, and (`warn`) warns of what stays in high precision, naming it, at
+    `stacklevel` (3: the line that called this function's caller). Returns `(linears, experts)` selected."""
+    prefix, _ = decoder_layers(model)
+    if not any(_layer_of(name, prefix) is not None for name, _ in model.named_modules()):
+        raise ValueError(
+            f"trl-fp8 found no decoder blocks in {type(model).__name__}: it converts the linears of blocks named "
+            "`...layers.{i}` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, DeepSeek, ...), and this model names "
+            "them otherwise (e.g. GPT-2-style `h.{i}`), so nothing would run in FP8."
+        )
+    selected, kept = select_fp8_linears(model, recipe)
+    experts, kept_experts = select_fp8_experts(model, recipe)
+    kept += kept_experts
+    if warn and kept:
+        warnings.warn(
+            f"trl-fp8: {len(kept)} layer(s) the recipe selects cannot run in FP8 and stay in high precision: "
+            f"{', '.join(kept)}",
+            stacklevel=stacklevel,
+        )
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [p for p in recipe.modules_to_not_convert if not any(_matches(name, p) for name in names)]
+    if warn and unmatched:
+        warnings.warn(
+            f"trl-fp8: FP8Recipe.modules_to_not_convert {unmatched} match no module of {type(model).__name__} "
+            "(misspelt, or not in this architecture?), so they keep nothing in high precision",
+            stacklevel=stacklevel,
+        )
+    if warn and not selected and not experts:
+        warnings.warn(
+            f"trl-fp8: the recipe converts none of {type(model).__name__}'s linears (num_first_layers_in_bf16="
+            f"{recipe.num_first_layers_in_bf16}, num_last_layers_in_bf16={recipe.num_last_layers_in_bf16}, "
+            f"modules_to_not_convert={recipe.modules_to_not_convert}): nothing will run in FP8",
+            stacklevel=stacklevel,
+        )
+    return selected, experts
+
+
 def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> nn.Module:
     """Converts `model`'s decoder-layer linears to `FP8Linear` in place and returns `model`.
 
@@ -187,37 +227,7 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
         raise ValueError(
             f"{type(model).__name__} was already converted with {previous}; convert the original model to use {recipe}"
         )
-    prefix, _ = decoder_layers(model)
-    if not any(_layer_of(name, prefix) is not None for name, _ in model.named_modules()):
-        raise ValueError(
-            f"trl-fp8 found no decoder blocks in {type(model).__name__}: it converts the linears of blocks named "
-            "`...layers.{i}` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, DeepSeek, ...), and this model names "
-            "them otherwise (e.g. GPT-2-style `h.{i}`), so nothing would run in FP8."
-        )
-    selected, kept = select_fp8_linears(model, recipe)
-    experts, kept_experts = select_fp8_experts(model, recipe)
-    kept += kept_experts
-    if kept:
-        warnings.warn(
-            f"trl-fp8: {len(kept)} layer(s) the recipe selects cannot run in FP8 and stay in high precision: "
-            f"{', '.join(kept)}",
-            stacklevel=2,
-        )
-    names = [name for name, _ in model.named_modules()]
-    unmatched = [p for p in recipe.modules_to_not_convert if not any(_matches(name, p) for name in names)]
-    if unmatched:
-        warnings.warn(
-            f"trl-fp8: FP8Recipe.modules_to_not_convert {unmatched} match no module of {type(model).__name__} "
-            "(misspelt, or not in this architecture?), so they keep nothing in high precision",
-            stacklevel=2,
-        )
-    if not selected and not experts:
-        warnings.warn(
-            f"trl-fp8: the recipe converts none of {type(model).__name__}'s linears (num_first_layers_in_bf16="
-            f"{recipe.num_first_layers_in_bf16}, num_last_layers_in_bf16={recipe.num_last_layers_in_bf16}, "
-            f"modules_to_not_convert={recipe.modules_to_not_convert}): nothing will run in FP8",
-            stacklevel=2,
-        )
+    selected, experts = check_fp8_selection(model, recipe)
     te_linear = _te_linear_for(model, recipe, sharded or any(is_sharded(p) for p in model.parameters()))
     for name in selected:
         parent_name, _, child = name.rpartition(".")

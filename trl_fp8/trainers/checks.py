@@ -42,14 +42,10 @@ def check_peft_config(peft_config, fp8_training: bool) -> None:
             raise ValueError(f"LoraConfig.{field}={value!r} is not supported by FP8GRPOTrainer: {why}")
 
 
-def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
-    """Wraps an empty (meta-device) copy of the policy's architecture with `peft_config` and refuses what PEFT would
-    build there that FP8 cannot carry (adapters on embeddings, LoRA variants, tied targets; see
-    `trl_fp8.quant.lora.check_peft_supported`): TRL wraps the real model in place, so this must come first."""
-    from peft import get_peft_model
+def _meta_skeleton(model, args: FP8GRPOConfig):
+    """An empty (meta-device) copy of the policy's architecture (`model`: a loaded model or a path), or `None` where
+    it cannot be built (the real model is checked later then). No weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..quant.lora import check_peft_supported
 
     try:
         if isinstance(model, str):
@@ -58,11 +54,40 @@ def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
         else:
             config = model.config
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=args.trust_remote_code)
+    except Exception:
+        return None
+
+
+def check_peft_targets(model, peft_config, args: FP8GRPOConfig) -> None:
+    """Wraps an empty (meta-device) copy of the policy's architecture with `peft_config` and refuses what PEFT would
+    build there that FP8 cannot carry (adapters on embeddings, LoRA variants, tied targets; see
+    `trl_fp8.quant.lora.check_peft_supported`): TRL wraps the real model in place, so this must come first."""
+    from peft import get_peft_model
+
+    from ..quant.lora import check_peft_supported
+
+    skeleton = _meta_skeleton(model, args)
+    if skeleton is None:
+        return
+    try:
+        with torch.device("meta"):
             skeleton = get_peft_model(skeleton, copy.deepcopy(peft_config))
-    except Exception:  # an architecture or initialization the skeleton cannot take: checked after TRL wraps the model
+    except Exception:  # an initialization the skeleton cannot take: checked after TRL wraps the model
         return
     check_peft_supported(skeleton.get_base_model(), allow_dropout=not args.fp8_training)  # the checkpoint's names
+
+
+def check_fp8_architecture(model, args: FP8GRPOConfig, *, warn: bool) -> None:
+    """Before TRL loads the policy or starts vLLM, on an empty copy of its architecture: refuses a model FP8 cannot
+    reach (no `...layers.{i}` blocks) whether FP8 is on for training, sampling or both, and (`warn`) names what stays
+    in high precision, as `convert_to_fp8` does where the learner is converted (with FP8 sampling only, nothing
+    else would say it)."""
+    from ..quant.convert import check_fp8_selection
+
+    skeleton = _meta_skeleton(model, args)  # a PEFT model given: the architecture without its adapters
+    if skeleton is not None:  # (warnings at stacklevel 4: the line that built the trainer)
+        check_fp8_selection(skeleton, args.resolved_fp8_recipe, warn=warn, stacklevel=4)
 
 
 # The oldest releases FSDP2 was tested with (tests/test_fsdp.py); below them it is refused at start.
@@ -138,14 +163,26 @@ def check_backend_runs_here(recipe, device: torch.device, sharded: bool = False)
         resolve_backend(recipe.backend, device)
 
 
+# generation_kwargs keys that process the logits the sampler's log-probs are read from, with their neutral values.
+LOGITS_PROCESSOR_KWARGS = {
+    "no_repeat_ngram_size": (None, 0), "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []),
+    "bad_words_ids": (None, []), "sequence_bias": (None, {}), "min_new_tokens": (None, 0), "min_length": (None, 0),
+    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0), "top_h": (None,),
+    "min_tokens": (None, 0), "bad_words": (None, []), "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+}  # fmt: skip
+
+
 def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
     """Warns once when sampling is truncated or penalized (`top_k`, `top_p`, `min_p`, `repetition_penalty`, in the
-    config or `generation_kwargs`, or vLLM's structured outputs) while TRL corrects for the sampler: both engines
+    config or `generation_kwargs`; the other logits processors of `generation_kwargs`, `LOGITS_PROCESSOR_KWARGS`; or
+    vLLM's structured outputs) while TRL corrects for the sampler: both engines
     return the log-probs of the distribution they sampled from (vLLM's `processed_logprobs`, as TRL asks of vLLM;
     vLLM masks the logits with the regex's grammar before either kind of log-probs), which for the sampled tokens
     mostly exceed the learner's, so the ratios run below 1 and scale the updates down. TRL's own transformers path,
     which has no separate sampler, never shows this. Also warns that the reference engine, like TRL's transformers
-    path, does not apply `vllm_structured_outputs_regex`."""
+    path, does not apply `vllm_structured_outputs_regex`, and when `generation_kwargs` sets another temperature than
+    the learner's log-probs use."""
     regex = args.vllm_structured_outputs_regex
     overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
     if regex is not None and not args.use_vllm:
@@ -170,6 +207,21 @@ def warn_truncated_sampling(args: FP8GRPOConfig) -> None:
         "repetition_penalty": lambda v: v is not None and v != 1,
     }
     truncations = [f"{k}={v}" for k, v in settings.items() if truncating[k](v)]
+    # Other logits processors (transformers' and vLLM's names) change the distribution the sampler returns log-probs
+    # of as well.
+    truncations += [
+        f"generation_kwargs[{k!r}]={v!r}"
+        for k, v in overrides.items()
+        if k in LOGITS_PROCESSOR_KWARGS and v not in LOGITS_PROCESSOR_KWARGS[k]
+    ]
+    if overrides.get("temperature", args.temperature) != args.temperature:
+        logger.warning(
+            "trl-fp8: generation_kwargs['temperature']=%s samples at another temperature than the learner's "
+            "log-probs use (temperature=%s): the importance-sampling ratios correct for that gap as for FP8, and "
+            "`sampling/token_mult_prob_error` measures it with FP8's. Set `temperature` instead.",
+            overrides["temperature"],
+            args.temperature,
+        )
     if args.use_vllm and regex is not None:
         truncations.append(f"vllm_structured_outputs_regex={regex!r}")
     elif args.use_vllm and overrides.get("structured_outputs") is not None:

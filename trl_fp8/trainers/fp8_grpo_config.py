@@ -214,9 +214,11 @@ class FP8GRPOConfig(GRPOConfig):
                 "engine decodes with its own FP8 KV cache. Unset cache_implementation, or set fp8_kv_cache=False."
             )
         if self.use_transformers_continuous_batching:
+            # TRL's deprecated use_transformers_paged sets use_transformers_continuous_batching: name the one set.
+            name = "use_transformers_paged" if self.use_transformers_paged else "use_transformers_continuous_batching"
             raise ValueError(
-                "use_transformers_continuous_batching=True conflicts with FP8GRPOTrainer's sampling engine; set it to "
-                "False (FP8GRPOTrainer always samples with its own engine)."
+                f"{name}=True conflicts with FP8GRPOTrainer's sampling engine; set it to False (FP8GRPOTrainer always "
+                "samples with its own engine)."
             )
         zero3 = self.deepspeed_plugin is not None and self.deepspeed_plugin.zero_stage == 3
         if zero3 and not self.ds3_gather_for_generation and not self.use_vllm:
