@@ -147,6 +147,10 @@ def te_linear_class() -> type:
                 y = super().forward(x2d, *args, **kwargs)
             return y[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
 
+        def _apply(self, fn, recurse=True):
+            self._w_cache = None  # as FP8Linear's: after `.to()` the key may match a weight that changed
+            return super()._apply(fn, recurse)
+
         @torch.no_grad()
         def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
             """TE's own 128x128 quantization of the weight: `(e4m3 (N, K), scale_inv (ceil(N/128), ceil(K/128)))`,
