@@ -1,5 +1,6 @@
 """Run by tests/test_vllm_engine.py (vLLM only): a refit that fails inside vLLM's reload (the stream raises after
-layer 0 and the first weight of layer 1, as an out-of-memory while vLLM rebuilds a layer would), then the next sync.
+layer 0 and the first weight of layer 1, as an out-of-memory while vLLM rebuilds a layer would), then the next sync,
+with an image's encoder output cached on both sides beforehand (which that sync must clear).
 The checks' raw material in `<output_dir>/result.json`. On vLLM's CPU build the block-FP8 kernels are stood in for as
 in tests/scripts/vllm_two_steps.py.
 
@@ -55,6 +56,18 @@ class _FailingStream(list):
                 raise RuntimeError("simulated out-of-memory while vLLM rebuilds a layer")
 
 
+def _plant_encoder_output(engine, mm_hash: str):
+    """An image's encoder output (its vision embeddings) cached by an earlier generation, as vLLM 0.31 records it on
+    both sides: the scheduler's `encoder_cache_manager` (cached, referenced by no running request) and the worker's
+    `encoder_cache`. The demo model has no vision tower, so the entry is planted; returns both holders."""
+    core = engine.llm.llm_engine.engine_core.engine_core  # external_launcher: the engine core runs in this process
+    manager, runner = core.scheduler.encoder_cache_manager, core.model_executor.driver_worker.worker.model_runner
+    manager.cached[mm_hash], manager.freeable[mm_hash] = set(), 4
+    manager.num_freeable_slots += 4
+    runner.encoder_cache[mm_hash] = torch.zeros(4, 256)
+    return manager, runner
+
+
 def main(output_dir: str) -> None:
     _emulate_vllm_fp8_kernels_on_cpu()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -86,9 +99,12 @@ def main(output_dir: str) -> None:
     result["layer1_old"] = _holds(served, before, 1)
     result["layer1_new"] = _holds(served, after, 1)
     result["generates"] = len(_greedy(engine.llm, tokenizer)) > 0
+    scheduler_side, worker_side = _plant_encoder_output(engine, "image-seen-before")
     engine.sync_weights()  # the next sync, as TRL's next generation makes it
     served = _served(engine)
     result["resynced"] = _holds(served, after, 0) and _holds(served, after, 1)
+    result["encoder_cache_after_refit"] = {"scheduler": "image-seen-before" in scheduler_side.cached,
+                                           "worker": "image-seen-before" in worker_side.encoder_cache}  # fmt: skip
     with open(os.path.join(output_dir, "result.json"), "w") as f:
         json.dump(result, f)
 

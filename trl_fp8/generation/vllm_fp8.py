@@ -13,8 +13,8 @@ scales (`trl_fp8.quant.export`'s stream), so that the sampler's weight grid is t
 - `sync_weights`: the checkpoint-format stream (`...weight` e4m3 + `...weight_scale_inv` fp32, BF16 for the rest,
   Q/K/V scales) goes through vLLM's in-place layerwise reload (`model_runner.reload_weights(weights_iterator=...,
   is_checkpoint_format=True)` under the engine's config, as 0.31's `Worker.reload_weights` runs it), which fuses
-  q/k/v and gate/up with vLLM's own loaders and copies into the original storage, then `reset_prefix_cache()`. The
-  stream is validated before the engine is touched. With sleep mode the weights are woken first (never a bare
+  q/k/v and gate/up with vLLM's own loaders and copies into the original storage; then the prefix and encoder caches
+  go. The stream is validated before the engine is touched. With sleep mode the weights are woken first (never a bare
   reload, which would restore the disk checkpoint: trl#5312); TRL's `generate` wakes the KV cache.
 
 Every vLLM symbol used here was read in the source of vLLM 0.22.0 and 0.31.0 (the `vllm` extra's range).
@@ -27,7 +27,7 @@ import time
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from trl.generation.vllm_generation import VLLMGeneration
+from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from ..quant.checkpoint_names import checkpoint_module_names
 from ..quant.export import stream_checkpoint_names, stream_nbytes
@@ -351,8 +351,14 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         pairs = self.state_stream()
         self._stream_meta = validate_stream(pairs, self._stream_meta)
         sent, bf16 = stream_nbytes(pairs)
-        unloaded = refit(self.llm, pairs, sleep_mode=self.enable_sleep_mode, asleep=self._llm_weights_sleeping)
-        self._llm_weights_sleeping = False
+        if self.enable_sleep_mode and self._llm_weights_sleeping:
+            # Only while asleep: a second sync without a generation between them (a `rollout_func`) would map their
+            # memory again, which vLLM 0.22's allocator does not guard against. Awake from here on, even if the
+            # reload fails: the flag must say so, or the next sync would wake them again.
+            empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        unloaded = refit(self.llm, pairs, sleep_mode=self.enable_sleep_mode)
         check_reload_complete(unloaded, kv_cache=self.kv_cache)
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
         if self.kv_cache:

@@ -35,15 +35,34 @@ def reload_in_config(worker, weights_iterator) -> list[str] | None:
         return reported[-1]
 
     model.load_weights = recording_load_weights  # an instance attribute: the class's method is left alone
+    taken = []  # the name of the last tensor vLLM took from the stream
+
+    def tracked(weights):
+        for name, tensor in weights:
+            taken[:] = [name]
+            yield name, tensor
+
     try:
         with set_current_vllm_config(worker.vllm_config):
-            worker.model_runner.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
+            worker.model_runner.reload_weights(weights_iterator=tracked(weights_iterator), is_checkpoint_format=True)
     except BaseException as error:  # an OOM while a layer is rebuilt, a KeyboardInterrupt, a stream vLLM cannot route
         if restore_unprocessed_layers(model):
             error.add_note(
-                "trl-fp8: the refit failed inside vLLM's reload. The layers it had not finished keep the weights the "
-                "engine held before; those it had finished hold the new ones. The next sync_weights() refits them all."
+                "trl-fp8: the refit failed inside vLLM's reload. The layers it had finished hold the new weights; "
+                "those it had not keep the weights the engine held before, except with sleep mode, whose level 2 "
+                "(TRL's) discarded them: those layers hold no valid weights. The next sync_weights() refits them all."
             )
+        if taken:
+            note = f"trl-fp8: the last tensor vLLM took from the sync stream was {taken[0]!r}."
+            if isinstance(error, KeyError):
+                # Some models' load_weights (deepseek_v2.py's) look a name up unchecked: the bare KeyError names the
+                # key in vLLM's spelling only, and no layer.
+                note += (
+                    " vLLM's model class for this architecture most likely has no parameter for it: it names its "
+                    "weights otherwise than the learner's checkpoint does. Use fp8_generation=False (TRL's BF16 vLLM "
+                    "engine) or use_vllm=False (trl-fp8's FP8 reference engine) for this model."
+                )
+            error.add_note(note)
         raise
     finally:
         del model.load_weights
@@ -132,20 +151,22 @@ def check_reload_complete(unloaded: list[list[str] | None], *, kv_cache: bool) -
         )
 
 
-def refit(
-    llm, pairs: list[tuple[str, torch.Tensor]], *, sleep_mode: bool = False, asleep: bool = False
-) -> list[list[str] | None]:
-    """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops its prefix cache. With
-    sleep mode the weights are woken first, only if `asleep`: a second sync without a generation between them (a
-    `rollout_func`) would map their memory again, which vLLM 0.22's allocator does not guard against. Returns each
-    worker's unloaded parameters (`reload_in_config`)."""
-    if sleep_mode and asleep:
-        empty_cache()
-        llm.wake_up(tags=["weights"])
+def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, sleep_mode: bool = False) -> list[list[str] | None]:
+    """Loads a validated checkpoint-format stream into a live `vllm.LLM` in place, then drops the caches that hold
+    what the old weights computed. With sleep mode the caller wakes the weights first
+    (`FP8VLLMGeneration.sync_weights`, which tracks whether they sleep). Returns each worker's unloaded parameters
+    (`reload_in_config`)."""
     unloaded = llm.collective_rpc(reload_in_config, kwargs={"weights_iterator": iter(pairs)})
     if sleep_mode:
         # The reload materializes a layer at a time (all of a MoE layer's experts) and frees it into the caching
         # allocator; vLLM 0.22's wake_up of the KV cache, which TRL calls next, does not empty it first.
         empty_cache()
     llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+    # Cached encoder outputs (vision embeddings) were computed with the old weights. vLLM 0.31's reload clears the
+    # workers' copies but not the scheduler's record of them, which would then skip encoding an image seen before,
+    # and the worker fail with "Encoder cache miss". The engine's reset clears both (`LLMEngine.reset_encoder_cache`,
+    # read in 0.31; vllm#33452 added it before 0.22, and an engine without it is passed over).
+    reset_encoder_cache = getattr(getattr(llm, "llm_engine", None), "reset_encoder_cache", None)
+    if reset_encoder_cache is not None:
+        reset_encoder_cache()
     return unloaded
