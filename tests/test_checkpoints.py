@@ -117,6 +117,37 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
     assert sqnr > 20, f"logits SQNR {sqnr:.1f} dB"
 
 
+def test_an_fp8_checkpoint_carries_the_kv_cache_scales_of_its_weights(tmp_path, demo_tokenizer, caplog):
+    """With the FP8 KV cache, the FP8 checkpoint holds the Q/K/V scales the next sync would give the sampler for the
+    saved weights (vLLM serves it with `kv_cache_dtype="fp8"` on them, not on 1.0), measured without touching the
+    sampler's; transformers loads the rest and reports them as unexpected. Saved before any step, it has none and
+    says so. (Served by vLLM: tests/test_vllm_engine.py::test_colocated_vllm_fp8_grpo_end_to_end[kv].)"""
+    untrained = trainer_for(tmp_path / "untrained", demo_tokenizer, fp8_kv_cache=True, fp8_save_format="fp8")
+    with caplog.at_level("WARNING", logger="trl_fp8"):
+        untrained.save_model(str(tmp_path / "untrained" / "fp8"))
+    assert "carries no FP8 KV-cache scales" in caplog.text
+    assert not any(k.endswith("_scale") for k in load_file(tmp_path / "untrained" / "fp8" / "model.safetensors"))
+
+    trainer = trainer_for(tmp_path, demo_tokenizer, max_steps=2, fp8_kv_cache=True, fp8_save_format="fp8")
+    trainer.train()
+    engine = trainer.vllm_generation
+    held = engine._kv_scale_invs.clone()  # the last sync's, before the last optimizer step
+    trainer.save_model(str(tmp_path / "fp8"))
+    assert torch.equal(engine._kv_scale_invs, held)
+    engine.sync_weights()  # the learner changed since: the sampler's scales are recalibrated
+    assert not torch.equal(engine._kv_scale_invs, held)
+    saved = load_file(tmp_path / "fp8" / "model.safetensors")
+    layers = trainer.model.config.num_hidden_layers
+    names = [f"model.layers.{i}.self_attn.{x}_scale" for i in range(layers) for x in "kvq"]
+    assert sorted(k for k in saved if k.endswith(("k_scale", "v_scale", "q_scale"))) == sorted(names)
+    assert torch.equal(torch.stack([saved[n] for n in names]).view(layers, 3), engine._kv_scale_invs)
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp8", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and info["unexpected_keys"] == set(names)
+
+
 def test_a_checkpoint_is_described_by_the_recipe_its_weights_were_quantized_with(tmp_path, tiny_llama):
     model = convert_to_fp8(tiny_llama, FP8Recipe())
     with pytest.raises(ValueError, match=r"converted with FP8Recipe\(weight_block_size=\[128, 128\].*not with the"):

@@ -76,6 +76,27 @@ def test_train_with_eval(tmp_path, demo_tokenizer):
     train_logs = [log for log in logs if "loss" in log]
     assert len(train_logs) == 3 and all("fp8/sync_seconds" in log for log in train_logs)
     assert not any("eval_fp8/sync_seconds" in log for log in logs)
+    # The evaluation after the last step refits the sampler too, and no training log follows: logged on its own.
+    assert [log["step"] for log in logs if "fp8/sync_seconds" in log] == [1, 2, 3, 3]
+    assert not trainer._metrics["train"]["fp8/sync_seconds"]
+
+
+def test_an_evaluation_outside_training_logs_its_refit(tmp_path, demo_tokenizer):
+    trainer = FP8GRPOTrainer(
+        model=tiny_policy(demo_tokenizer),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path, per_device_eval_batch_size=4, max_steps=1),
+        train_dataset=make_dataset(16),
+        eval_dataset=make_dataset(8, seed=1),
+        processing_class=demo_tokenizer,
+    )
+    trainer.train()  # refits before its one step's generation, not after the step
+    seen = len(trainer.state.log_history)
+    trainer.evaluate()
+    synced = [log for log in trainer.state.log_history[seen:] if "fp8/sync_seconds" in log]
+    assert len(synced) == 1 and synced[0]["fp8/sync_bytes"] > 0 and not trainer._metrics["train"]["fp8/sync_seconds"]
+    trainer.evaluate()  # the learner has not changed since: no refit, nothing to log
+    assert not any("fp8/sync_seconds" in log for log in trainer.state.log_history[seen + len(synced) + 1 :])
 
 
 def test_train_conversational_prompts(tmp_path, demo_tokenizer):
@@ -477,3 +498,25 @@ def test_a_recipe_that_converts_nothing_says_so_from_the_users_line(tmp_path, de
     assert {Path(w.filename).name for w in record if "trl-fp8" in str(w.message)} == {"conftest.py"}
     logs = train_and_check(trainer)
     assert trainer.fp8_backend == "none" and "fp8/backend/none" in set().union(*logs)
+
+
+def test_fp8_sampling_alone_refuses_and_warns_as_end_to_end_fp8_does(tmp_path, demo_tokenizer):
+    """With fp8_training=False nothing converts the learner, so the start-up check on the architecture does: a model
+    without `layers.{i}` blocks would sample (and save an "FP8" checkpoint) with nothing in FP8."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=128, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ValueError, match="found no decoder blocks in GPT2LMHeadModel"):
+        FP8GRPOTrainer(
+            model=gpt2, reward_funcs=digit_reward, args=tiny_grpo_args(tmp_path, fp8_training=False),
+            train_dataset=make_dataset(8), processing_class=demo_tokenizer,
+        )  # fmt: skip
+    narrow = LlamaForCausalLM(
+        LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2)
+    )  # no linear spans a 128-block
+    with pytest.warns(UserWarning, match="nothing will run in FP8") as record:
+        FP8GRPOTrainer(
+            model=narrow, reward_funcs=digit_reward, args=tiny_grpo_args(tmp_path, fp8_training=False),
+            train_dataset=make_dataset(8), processing_class=demo_tokenizer,
+        )  # fmt: skip
+    assert {Path(w.filename).name for w in record if "trl-fp8" in str(w.message)} == {Path(__file__).name}

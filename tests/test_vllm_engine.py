@@ -15,7 +15,6 @@ from conftest import (
     families,
     tiny_grpo_args,
     tiny_model,
-    tiny_policy,
     vllm_installed,
     vllm_ready,
 )
@@ -212,33 +211,48 @@ def test_latent_attention_runs_eagerly_on_vllm_before_0_31():
         fp8_llm_kwargs(model, recipe, vllm_version="0.27.1", user_kwargs={"enforce_eager": False})
 
 
-@pytest.mark.skipif(vllm_installed(), reason="with vLLM installed this would build a real engine")
-def test_trl_builds_the_fp8_engine_in_its_vllm_slot(tmp_path, demo_tokenizer):
-    """The real GRPOTrainer, given use_vllm=True, constructs FP8VLLMGeneration with its own arguments: without vLLM
-    here, the first thing that engine does is refuse, naming the extra to install (TRL's engine would say
-    otherwise)."""
+@pytest.mark.skipif(vllm_installed(), reason="needs a machine without vLLM")
+@pytest.mark.parametrize(
+    ("fp8_generation", "said"),
+    [(True, r'use_vllm=True needs vLLM: pip install "trl-fp8\[vllm\]"'), (False, r'pip install "trl\[vllm\]"')],
+    ids=["fp8_engine", "trls_engine"],
+)
+def test_a_missing_vllm_is_refused_before_any_model_loads(tmp_path, demo_tokenizer, fp8_generation, said):
+    """TRL would find vLLM missing only when it builds its engine, after loading the policy, reference and reward
+    models (minutes at 8B). The path given here does not exist: loading it first would fail otherwise."""
     from trl_fp8 import FP8GRPOTrainer
     from trl_fp8.demo.task import make_dataset
 
-    with pytest.raises(ImportError, match=r'use_vllm=True needs vLLM: pip install "trl-fp8\[vllm\]"'):
+    with pytest.raises(ImportError, match=said):
         FP8GRPOTrainer(
-            model=tiny_policy(demo_tokenizer),
+            model=str(tmp_path / "no-such-model"),
             reward_funcs=digit_count_reward,
-            args=tiny_grpo_args(tmp_path, use_vllm=True),
+            args=tiny_grpo_args(tmp_path, use_vllm=True, fp8_generation=fp8_generation, beta=0.04),
             train_dataset=make_dataset(8),
             processing_class=demo_tokenizer,
         )
+
+
+def test_trls_engine_slot_is_restored_even_when_construction_fails():
+    """GRPOTrainer.__init__ builds the FP8 engine where it builds TRL's `VLLMGeneration`, for that call only."""
     import trl.trainer.grpo_trainer as trl_grpo
     from trl.generation.vllm_generation import VLLMGeneration
 
-    assert trl_grpo.VLLMGeneration is VLLMGeneration  # TRL's slot is restored even when construction fails
+    from trl_fp8.trainers.fp8_grpo_trainer import FP8VLLMGeneration, _engine_class
+
+    with pytest.raises(RuntimeError, match="failed inside"), _engine_class(FP8VLLMGeneration):
+        assert trl_grpo.VLLMGeneration is FP8VLLMGeneration
+        raise RuntimeError("failed inside GRPOTrainer.__init__")
+    assert trl_grpo.VLLMGeneration is VLLMGeneration
 
 
 class _RecordingLLM:
-    """Stands in for `vllm.LLM`, which cannot run on CPU: records the calls a refit makes, in order."""
+    """Stands in for `vllm.LLM`, which cannot run on CPU: records the calls a refit makes, in order. `fail_reloads`
+    reloads raise, as one that fails inside vLLM's reload does."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, fail_reloads: int = 0):
+        self.calls, self.fail_reloads = [], fail_reloads
+        self.llm_engine = type("LLMEngine", (), {"reset_encoder_cache": lambda _: self.calls.append(("reset_enc",))})()
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
@@ -247,21 +261,98 @@ class _RecordingLLM:
         kwargs = dict(kwargs)
         kwargs["weights_iterator"] = [name for name, _ in kwargs["weights_iterator"]]
         self.calls.append(("collective_rpc", method, kwargs))
+        if self.fail_reloads:
+            self.fail_reloads -= 1
+            raise RuntimeError("simulated out-of-memory while vLLM rebuilds a layer")
+        return [[]]  # one worker, nothing left unloaded
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
 
-@pytest.mark.parametrize(
-    ("sleep_mode", "asleep"), [(False, False), (True, True), (True, False)], ids=["awake", "asleep", "woken_already"]
-)
-def test_refit_call_sequence(sleep_mode, asleep):
-    """Sleep mode's weights are woken before the reload only while asleep (vLLM 0.22 maps them again otherwise)."""
+@pytest.mark.parametrize("sleep_mode", [False, True], ids=["awake", "sleep_mode"])
+def test_refit_call_sequence(sleep_mode):
+    """After the reload, the caches of what the old weights computed go: the prefix (KV) cache, and the encoder
+    cache on both sides (scheduler and workers; the vLLM test plants an entry in each), which vLLM 0.31's reload
+    clears on the workers only. An engine without `reset_encoder_cache` is passed over. Waking is the caller's."""
     pairs = [("a.weight", torch.zeros(2)), ("b.weight", torch.ones(2))]
     llm = _RecordingLLM()
-    refit(llm, pairs, sleep_mode=sleep_mode, asleep=asleep)
+    refit(llm, pairs, sleep_mode=sleep_mode)
     reload = ("collective_rpc", reload_in_config, {"weights_iterator": ["a.weight", "b.weight"]})
-    assert llm.calls == [("wake_up", ["weights"])] * (sleep_mode and asleep) + [reload, ("reset_prefix_cache",)]
+    assert llm.calls == [reload, ("reset_prefix_cache",), ("reset_enc",)]
+    llm.llm_engine = object()
+    refit(llm, pairs, sleep_mode=sleep_mode)
+    assert llm.calls[3:] == [reload, ("reset_prefix_cache",)]
+
+
+def test_sync_weights_wakes_sleeping_weights_once_even_when_the_reload_fails():
+    """With sleep mode, `sync_weights` wakes the weights only while they sleep (vLLM 0.22 maps them again otherwise),
+    and records them awake as soon as they are: after a refit that failed inside the reload, the next sync must not
+    wake them again. A stand-in: vLLM's CPU build has no sleep mode, and the engine here is `_RecordingLLM`."""
+    from trl_fp8.generation.vllm_fp8 import FP8VLLMGeneration
+
+    engine = object.__new__(FP8VLLMGeneration)  # only what sync_weights reads
+    engine.llm, engine.enable_sleep_mode, engine._llm_weights_sleeping = _RecordingLLM(fail_reloads=1), True, True
+    engine.kv_cache, engine._stream_meta = False, None
+    engine.state_stream = lambda: [("model.norm.weight", torch.ones(4))]
+    with pytest.raises(RuntimeError, match="simulated out-of-memory"):
+        engine.sync_weights()
+    assert not engine._llm_weights_sleeping
+    engine.sync_weights()
+    assert [call[0] for call in engine.llm.calls] == [
+        "wake_up",
+        "collective_rpc",
+        "collective_rpc",
+        "reset_prefix_cache",
+        "reset_enc",
+    ]
+    engine._llm_weights_sleeping = True  # a generation put them to sleep again
+    engine.sync_weights()
+    assert [call[0] for call in engine.llm.calls[5:7]] == ["wake_up", "collective_rpc"]
+
+
+class _FakeWorker:
+    """Stands in for a vLLM worker in `reload_in_config`: its model's `load_weights` looks each name up unchecked, as
+    vLLM's deepseek_v2.py does (`params_dict[name]`)."""
+
+    def __init__(self):
+        self.vllm_config = None
+        model = nn.Linear(2, 2)
+
+        def load_weights(weights):
+            params = dict(model.named_parameters())
+            for name, tensor in weights:
+                params[name].data.copy_(tensor)  # a KeyError for a name the model lacks
+            return set(params)
+
+        model.load_weights = load_weights
+        self.model_runner = type("ModelRunner", (), {})()
+        self.model_runner.get_model = lambda: model
+        self.model_runner.reload_weights = lambda weights_iterator, is_checkpoint_format: model.load_weights(
+            weights_iterator
+        )
+
+
+def test_a_stream_tensor_the_vllm_model_lacks_is_named_in_the_error(monkeypatch):
+    """A first sync whose stream names a tensor vLLM's model class lacks: some models' `load_weights` raise a bare
+    KeyError with vLLM's spelling of the name; the error then names the last tensor taken from the stream, and the
+    way out."""
+    import contextlib
+    import types
+
+    vllm_config = types.ModuleType("vllm.config")
+    vllm_config.set_current_vllm_config = lambda config: contextlib.nullcontext()
+    monkeypatch.setitem(sys.modules, "vllm.config", vllm_config)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", None)  # no layerwise restore here
+    worker = _FakeWorker()
+    pairs = [("weight", torch.ones(2, 2)), ("bias", torch.zeros(2))]
+    assert reload_in_config(worker, iter(pairs)) == []
+    extra = "model.layers.0.self_attn.q_norm.weight"
+    with pytest.raises(KeyError) as raised:
+        reload_in_config(worker, iter([*pairs, (extra, torch.ones(2))]))
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert f"the last tensor vLLM took from the sync stream was '{extra}'" in notes
+    assert "most likely has no parameter for it" in notes and "fp8_generation=False" in notes
 
 
 def test_a_refit_that_left_engine_parameters_unloaded_is_refused_naming_them():
@@ -336,15 +427,19 @@ def test_a_refit_that_fails_inside_vllms_reload_leaves_the_engine_whole(tmp_path
     the stream raises after layer 0 and the first weight of layer 1 (in a fresh process): the error says what the
     engine holds, nothing is left on meta, layer 0 holds the new weights and layer 1 the previous ones, the engine
     still generates, and the next sync refits it whole. Without the restore, 20 parameters stayed on meta, the next
-    sync failed and generation hung."""
+    sync failed and generation hung. That sync also clears the encoder cache of an image seen before (vision
+    embeddings computed with the old weights), on the scheduler's side too: vLLM 0.31's reload clears only the
+    worker's, and the next request with that image then failed with "Encoder cache miss"."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_failed_refit.py"), str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["error"].startswith("simulated out-of-memory") and "refits them all" in out["notes"][0]
+    assert "model.layers.1.self_attn.q_proj.weight'" in out["notes"][1]  # the last tensor vLLM took
     assert out["meta"] == []
     assert out["layer0_new"] and out["layer1_old"] and not out["layer1_new"]
     assert out["generates"] and out["resynced"]
+    assert out["encoder_cache_after_refit"] == {"scheduler": False, "worker": False}
 
 
 @pytest.mark.vllm
@@ -376,14 +471,17 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     assert f"did not load 2 of its parameters from the FP8 sync stream: {left_out}" in out["refit_error_left_out"]
     if "memory_growth_bytes" in out:
         assert out["memory_growth_bytes"] < 16 * 2**20
-    if kv_cache:
-        return  # the checkpoint carries no KV-cache scales: served with a BF16 cache, it decodes otherwise
-    # The FP8 checkpoint saved at the end, served by a fresh engine through vLLM's own checkpoint loader, decodes as
-    # the refitted engine did, token for token and log-prob for log-prob.
+    # The FP8 checkpoint saved at the end, served by a fresh engine through vLLM's own checkpoint loader (with the
+    # FP8 KV cache: `kv_cache_dtype="fp8"` on the checkpoint's K/V/Q scales), decodes as the refitted engine did,
+    # token for token and log-prob for log-prob.
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_two_steps.py"), "--serve", str(tmp_path / "fp8")]
-    result = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    result = subprocess.run([*cmd, str(tmp_path)] + ["--kv_cache"] * kv_cache, capture_output=True, text=True,
+                            timeout=1200)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    served = json.loads((tmp_path / "served.json").read_text())["greedy"]
+    served_run = json.loads((tmp_path / "served.json").read_text())
+    if kv_cache:
+        torch.testing.assert_close(torch.tensor(served_run["kv_scales"]), torch.tensor(out["kv_scales_sent"]))
+    served = served_run["greedy"]
     assert [g["ids"] for g in served] == [g["ids"] for g in out["greedy"]]
     for ours, theirs in zip(out["greedy"], served, strict=True):
         torch.testing.assert_close(torch.tensor(theirs["logprobs"]), torch.tensor(ours["logprobs"]), rtol=0, atol=1e-4)

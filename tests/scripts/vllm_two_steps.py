@@ -96,9 +96,10 @@ def _greedy(llm, tokenizer) -> list[dict]:
     ]
 
 
-def serve(checkpoint_dir: str, output_dir: str) -> None:
+def serve(checkpoint_dir: str, output_dir: str, kv_cache: bool) -> None:
     """Serves a saved FP8 checkpoint with a fresh vLLM engine (`LLM(model=checkpoint_dir)`: its quantization_config
-    read from config.json, its weights through vLLM's checkpoint loader) and decodes `GREEDY_PROMPTS`."""
+    read from config.json, its weights and, with `kv_cache`, its K/V/Q scales through vLLM's checkpoint loader) and
+    decodes `GREEDY_PROMPTS`."""
     from transformers import AutoTokenizer
     from vllm import LLM
 
@@ -106,9 +107,18 @@ def serve(checkpoint_dir: str, output_dir: str) -> None:
         _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, with the kernel list above
-    llm = LLM(model=checkpoint_dir, enforce_eager=True, max_model_len=64, seed=0, distributed_executor_backend="uni")
+    llm = LLM(
+        model=checkpoint_dir, enforce_eager=True, max_model_len=64, seed=0, distributed_executor_backend="uni",
+        kv_cache_dtype="fp8" if kv_cache else "auto",
+    )  # fmt: skip
+    result = {"greedy": _greedy(llm, AutoTokenizer.from_pretrained(checkpoint_dir))}
+    if kv_cache:
+        names = ("_k_scale_float", "_v_scale_float", "_q_scale_float")
+        result["kv_scales"] = llm.apply_model(
+            lambda m: [[float(getattr(layer.self_attn.attn, n)) for n in names] for layer in m.model.layers]
+        )[0]
     with open(os.path.join(output_dir, "served.json"), "w") as f:
-        json.dump({"greedy": _greedy(llm, AutoTokenizer.from_pretrained(checkpoint_dir))}, f)
+        json.dump(result, f)
 
 
 def _storages(engine) -> dict[str, int]:
@@ -199,6 +209,6 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        serve(sys.argv[2], sys.argv[3])
+        serve(sys.argv[2], sys.argv[3], "--kv_cache" in sys.argv[4:])
     else:
         main(sys.argv[1], "--kv_cache" in sys.argv[2:], "--lora" in sys.argv[2:])

@@ -89,16 +89,38 @@ class LearnerStream:
         if self.kv_cache:
             if self._kv_scale_invs is None:
                 raise RuntimeError("FP8 KV cache: no Q/K/V scales yet; sync_weights() calibrates them first")
-            for name, (k, v, q) in zip(self._attn_names, self._kv_scale_invs, strict=True):
-                pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v), (f"{name}.q_scale", q)]
+            pairs += self._kv_scale_pairs(self._kv_scale_invs)
         return pairs
+
+    def _kv_scale_pairs(self, scale_invs: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        pairs = []
+        for name, (k, v, q) in zip(self._attn_names, scale_invs, strict=True):
+            pairs += [(f"{name}.k_scale", k), (f"{name}.v_scale", v), (f"{name}.q_scale", q)]
+        return pairs
+
+    def checkpoint_kv_scales(self) -> list[tuple[str, torch.Tensor]]:
+        """The Q/K/V scales an FP8 checkpoint of the learner's current weights carries, named as the stream names
+        them (vLLM serving it with `kv_cache_dtype="fp8"` reads them; without them it takes 1.0): measured now on
+        the latest calibration batch, as the next sync would, without touching what the sampler holds. The
+        sampler's own scales if recalibration is off or there is no batch yet; none before any calibration.
+        Collective with several ranks, as `calibrate_kv_scales`."""
+        if not self.kv_cache:
+            return []
+        if self.recalibrate and self.calibration_batch is not None:
+            return self._kv_scale_pairs(self._measure_kv_scales())
+        return [] if self._kv_scale_invs is None else self._kv_scale_pairs(self._kv_scale_invs)
 
     @torch.no_grad()
     def calibrate_kv_scales(self) -> float:
         """Recomputes the Q/K/V scales with the learner's current weights; returns the seconds it took."""
+        start = time.perf_counter()
+        self._kv_scale_invs = self._measure_kv_scales()
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def _measure_kv_scales(self) -> torch.Tensor:
         if self.calibration_batch is None:
             raise RuntimeError("FP8 KV cache: set `calibration_batch` (input_ids, attention_mask) before syncing")
-        start = time.perf_counter()
         policy = self.learner()
         # The device it computes on: an offloaded learner's parameters stay on the CPU between uses.
         ids, mask = (t.to(self.accelerator.device) for t in self.calibration_batch)
@@ -109,8 +131,7 @@ class LearnerStream:
         )
         if self.accelerator.num_processes > 1:  # every rank's sampler must hold the same scales
             scales = self.accelerator.reduce(scales.to(self.accelerator.device), reduction="max").cpu()
-        self._kv_scale_invs = scales
-        return time.perf_counter() - start
+        return scales
 
     def _maybe_calibrate(self) -> float:
         if self.kv_cache and (self.recalibrate or self._kv_scale_invs is None):

@@ -358,6 +358,7 @@ def save_fp8_checkpoint(
     gather: Gather | None = None,
     write: bool = True,
     max_shard_size: int | str = "50GB",
+    kv_scales: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> list[str]:
     """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors` (or
     shards of at most `max_shard_size`, transformers' default, and their index) under the names `save_pretrained`
@@ -366,12 +367,14 @@ def save_fp8_checkpoint(
     transformers' module names, and, where the checkpoint's differ, in `ignored_layers` for vLLM); the folder's
     files that it replaces (`REPLACED_FILES`: an adapter, another save's weights) are removed. `gather` as in
     `iter_fp8_state`; `write=False` reads the stream and writes nothing (ZeRO-3's gathers are collective: the ranks
-    that do not write read it too). Returns the checkpoint names of the FP8 weights."""
+    that do not write read it too). `kv_scales`: an FP8 KV cache's Q/K/V scales as the sync stream names them
+    (`model.layers.{i}.self_attn.k_scale`), saved beside the weights for vLLM's `kv_cache_dtype="fp8"` (transformers
+    reports them as unexpected keys and loads the rest). Returns the checkpoint names of the FP8 weights."""
     converted = getattr(model, "fp8_recipe", None) is not None
     if converted and model.fp8_recipe != recipe:
         # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
         raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
-    pairs = list(iter_fp8_state(model, None if converted else recipe, gather))
+    pairs = list(iter_fp8_state(model, None if converted else recipe, gather)) + list(kv_scales)
     tensors = dict(CheckpointNames(model, [(n, t.shape, t.dtype) for n, t in pairs])(pairs))
     saved = [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]
     if not write:

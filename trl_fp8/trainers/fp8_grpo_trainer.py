@@ -10,14 +10,15 @@ import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from accelerate.utils import is_peft_model
 from torch import nn
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import TRAINING_ARGS_NAME, Trainer
 from trl import GRPOTrainer
+from trl.import_utils import is_vllm_available
 from trl.trainer.utils import get_config_model_id
 
 from ..generation.gather import learner_gather
 from ..generation.reference import ReferenceEngine
 from ..generation.vllm_colocate import restore_module_call
-from ..generation.vllm_fp8 import FP8VLLMGeneration
+from ..generation.vllm_fp8 import FP8VLLMGeneration, check_vllm_version
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8, fp8_modules
@@ -28,6 +29,7 @@ from ..quant.te_linear import is_te_linear
 from .checkpoints import load_converted_checkpoint
 from .checks import (
     check_backend_runs_here,
+    check_fp8_architecture,
     check_fsdp_supported,
     check_not_quantized,
     check_peft_config,
@@ -66,7 +68,8 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
     - `_generate_and_score_completions`: calls TRL's, then logs the mismatch metrics NeMo RL and verl log
       (`sampling/token_mult_prob_error`, `sampling/gen_kl`, `sampling/is_oob_ratio`) and the sync cost
       (`fp8/sync_seconds`, `fp8/sync_bytes`, `fp8/sync_bf16_bytes`, with training even when an evaluation ran the
-      refit; `fp8/kv_calibration_seconds` with the FP8 KV cache), `fp8/backend/<name>` (the learner's kernels); for
+      refit, on their own after an evaluation no training log follows; `fp8/kv_calibration_seconds` with the FP8
+      KV cache), `fp8/backend/<name>` (the learner's kernels); for
       MoE models with the reference engine, `fp8/router_mismatch`, the share of (token, layer) pairs whose top-k
       experts differ between sampler and learner on the same sequences.
     - `_generate_single_turn`: with the FP8 KV cache, hands the engine its very first calibration batch, rows of
@@ -100,6 +103,11 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
                 f"FP8GRPOTrainer needs an FP8GRPOConfig, got {type(args).__name__}: replace GRPOConfig(...) by "
                 "FP8GRPOConfig(...) with the same arguments."
             )
+        # Before TRL loads the policy, reference and reward models (minutes at 8B, on every rank).
+        if args.use_vllm and args.fp8_generation:
+            check_vllm_version()
+        elif args.use_vllm and not is_vllm_available():
+            raise ImportError('use_vllm=True needs vLLM: pip install "trl[vllm]"')
         if kwargs.get("peft_config") is not None:
             check_peft_config(kwargs["peft_config"], args.fp8_training)
             check_peft_targets(model, kwargs["peft_config"], args)
@@ -113,6 +121,9 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
             check_kv_cache_supported(model)
         recipe = args.resolved_fp8_recipe
+        if args.fp8_training or args.fp8_generation:
+            # With FP8 sampling only, no conversion of the learner would name what stays in high precision.
+            check_fp8_architecture(model, args, warn=not args.fp8_training)
         if args.fp8_training:
             zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
             check_backend_runs_here(recipe, args.device, sharded=zero3 or fsdp_version is not None)
@@ -207,7 +218,29 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         # TRL refits the sampler when `global_step` differs from the step it last synced at; a second `train()`
         # restarts `global_step`, and its first generation could then find them equal and sample with the old weights.
         self._last_loaded_step = -1
-        return super().train(*args, **kwargs)
+        self._in_train = True
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._in_train = False
+
+    def evaluate(self, *args, **kwargs):
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            # In train(), only the evaluation after the last step: a training log follows any other.
+            if not getattr(self, "_in_train", False) or self.state.global_step >= self.state.max_steps:
+                self._log_pending_sync()
+
+    def _log_pending_sync(self) -> None:
+        # A refit that an evaluation ran after the last training log (the final one in train(), or a standalone
+        # evaluate()) has no training log left to carry it: log it on its own, at the current step.
+        train = self._metrics["train"]
+        keys = [k for k in train if k.startswith(("fp8/sync_", "fp8/kv_calibration_")) and train[k]]
+        if keys:
+            Trainer.log(self, {k: sum(train[k]) / len(train[k]) for k in keys})  # not GRPOTrainer's: no other metric
+            for k in keys:
+                del train[k]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if not self._loaded_in_original_layout(resume_from_checkpoint, "resume_from_checkpoint", model):
@@ -290,11 +323,20 @@ class FP8GRPOTrainer(MismatchMetrics, GRPOTrainer):
         final = not _internal_call or getattr(self, "_saving_for_push", False)
         if self.args.fp8_save_format != "fp8" or not final:
             return super().save_model(output_dir, _internal_call=_internal_call)
+        # The FP8 KV cache's scales for these weights, for vLLM serving the checkpoint with an FP8 KV cache (measured
+        # on every rank: the ranks agree on one max).
+        kv_scales = self.vllm_generation.checkpoint_kv_scales() if self.args.fp8_kv_cache else []
+        if self.args.fp8_kv_cache and not kv_scales:
+            logger.warning(
+                "trl-fp8: the FP8 checkpoint in %s carries no FP8 KV-cache scales (none measured yet: no step has "
+                "run); vLLM serving it with kv_cache_dtype='fp8' takes 1.0",
+                output_dir,
+            )
         if self.args.should_save or sharding(self) is not None:  # gathers are collective: every rank reads
             policy = unwrap_peft(self.accelerator.unwrap_model(self.model))  # adapters merged, in FP8
             recipe, write = self.args.resolved_fp8_recipe, self.args.should_save
             with learner_gather(self.accelerator, self.model) as gather:
-                save_fp8_checkpoint(policy, output_dir, recipe, gather=gather, write=write)
+                save_fp8_checkpoint(policy, output_dir, recipe, gather=gather, write=write, kv_scales=kv_scales)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
