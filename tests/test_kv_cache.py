@@ -71,9 +71,7 @@ def test_scales_follow_the_weights():
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(3)  # Q after RoPE triples
     again = calibrate_kv_scales(model.get_decoder(), ids, mask)
-    # Each scale is rounded up to a bfloat16 value (8 significant bits): 3x is within one of its steps.
-    torch.testing.assert_close(again[0, 2], 3 * after[0, 2], rtol=2**-7, atol=0)
-    assert torch.equal(again, again.bfloat16().float())  # what vLLM serving the checkpoint in bf16 holds
+    torch.testing.assert_close(again[0, 2], 3 * after[0, 2], rtol=1e-5, atol=0)
     assert again.shape == (2, 3) and torch.equal(again[0, :2], after[0, :2])
     assert model.config._attn_implementation == "sdpa"  # the recording attention is switched back off
     assert not torch.equal(after[1], before[1])  # layer 1 sees layer 0's changed output
@@ -186,10 +184,6 @@ def test_a_missing_scale_is_an_error_never_one():
     with pytest.raises(ValueError, match="layer 0 has no valid k/v scale"):
         FP8KVCache([(0.1, 0.0)])
     assert kv_scale_inv_from_amax(torch.zeros(8)) > 0  # an all-zero layer still gets a usable scale
-    # Rounded up to a bfloat16 value, never down (which would clip the amax the margin kept in range).
-    raw = torch.tensor(1.2345).item() * 1.05 / 448
-    got = kv_scale_inv_from_amax(torch.tensor([1.2345]))
-    assert got == torch.tensor(got, dtype=torch.bfloat16).item() and raw < got < raw * (1 + 2**-7)
     policy, tokenizer = load_demo_model_and_tokenizer()
     engine = ReferenceEngine(
         policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,

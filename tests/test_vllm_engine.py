@@ -471,20 +471,23 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     assert f"did not load 2 of its parameters from the FP8 sync stream: {left_out}" in out["refit_error_left_out"]
     if "memory_growth_bytes" in out:
         assert out["memory_growth_bytes"] < 16 * 2**20
-    # The FP8 checkpoint saved at the end, served by a fresh engine through vLLM's own checkpoint loader (with the
-    # FP8 KV cache: `kv_cache_dtype="fp8"` on the checkpoint's K/V/Q scales), decodes as the refitted engine did,
-    # token for token and log-prob for log-prob.
+    # The FP8 checkpoint saved at the end, served by a fresh engine through vLLM's own checkpoint loader, decodes as
+    # the refitted engine did, token for token and log-prob for log-prob. With the FP8 KV cache it serves the
+    # checkpoint's K/V/Q scales (`kv_cache_dtype="fp8"`), which vLLM's loader holds in the model's dtype, bf16 here
+    # (the refit writes them in fp32): the same tokens, log-probs 0.08 apart at most on vLLM's CPU build.
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_two_steps.py"), "--serve", str(tmp_path / "fp8")]
     result = subprocess.run([*cmd, str(tmp_path)] + ["--kv_cache"] * kv_cache, capture_output=True, text=True,
                             timeout=1200)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     served_run = json.loads((tmp_path / "served.json").read_text())
     if kv_cache:
-        torch.testing.assert_close(torch.tensor(served_run["kv_scales"]), torch.tensor(out["kv_scales_sent"]))
+        sent = torch.tensor(out["kv_scales_sent"])
+        assert torch.equal(torch.tensor(served_run["kv_scales"]), sent.bfloat16().float())
     served = served_run["greedy"]
     assert [g["ids"] for g in served] == [g["ids"] for g in out["greedy"]]
     for ours, theirs in zip(out["greedy"], served, strict=True):
-        torch.testing.assert_close(torch.tensor(theirs["logprobs"]), torch.tensor(ours["logprobs"]), rtol=0, atol=1e-4)
+        atol = 0.25 if kv_cache else 1e-4
+        torch.testing.assert_close(torch.tensor(theirs["logprobs"]), torch.tensor(ours["logprobs"]), rtol=0, atol=atol)
 
 
 # The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through

@@ -83,16 +83,9 @@ def dequantize_kv(q: torch.Tensor, scale_inv: float, dtype: torch.dtype) -> torc
 
 
 def kv_scale_inv_from_amax(token_amax: torch.Tensor, percentile: float = 99.9, margin: float = 1.05) -> float:
-    """The dequant multiplier for one layer's K, V or Q from its per-token amax values, rounded up to a bfloat16
-    value: vLLM holds the KV scales of a checkpoint it serves in the model's dtype, so a bf16 model served from the
-    FP8 checkpoint (which carries these scales) reads exactly the ones its sampler ran with. Up, so that nothing
-    the margin kept in range is clipped."""
+    """The dequant multiplier for one layer's K or V from its per-token amax values."""
     amax = torch.quantile(token_amax.float().flatten(), percentile / 100.0).item()
-    scale_inv = max(amax * margin / FP8_MAX, _TINY)
-    rounded = torch.tensor(scale_inv, dtype=torch.bfloat16)
-    if rounded.item() < scale_inv:
-        rounded = torch.nextafter(rounded, torch.tensor(float("inf"), dtype=torch.bfloat16))
-    return rounded.item()
+    return max(amax * margin / FP8_MAX, _TINY)
 
 
 class FP8KVLayer(DynamicLayer):
