@@ -1,6 +1,7 @@
 """convert_to_fp8 on real tiny transformers models (built in-process)."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,8 +95,11 @@ def test_glob_patterns_and_linear_routers_stay_in_high_precision(tiny_llama):
 def test_a_recipe_that_keeps_nothing_or_converts_nothing_says_so(tiny_llama):
     with pytest.warns(UserWarning, match=r"modules_to_not_convert \['mlp.dwon_proj'\] match no module.*misspelt"):
         convert_to_fp8(copy.deepcopy(tiny_llama), FP8Recipe(modules_to_not_convert=["mlp.dwon_proj", "down_proj"]))
-    with pytest.warns(UserWarning, match=r"converts none of LlamaForCausalLM's linears.*num_first_layers_in_bf16=5"):
+    with pytest.warns(
+        UserWarning, match=r"converts none of LlamaForCausalLM's linears.*num_first_layers_in_bf16=5"
+    ) as rec:
         convert_to_fp8(copy.deepcopy(tiny_llama), FP8Recipe(num_first_layers_in_bf16=5))
+    assert {Path(w.filename).name for w in rec} == {Path(__file__).name}  # the caller's line, not trl-fp8's
 
 
 def test_training_step_changes_every_parameter(tiny_qwen2):

@@ -355,8 +355,12 @@ def test_moving_a_layer_drops_its_fp8_caches(move):
 def test_double_backward_is_refused_not_answered_without_a_graph():
     """The FP8 backwards are not differentiable: `create_graph=True` used to return a dX without a graph, and a
     gradient penalty built on it silently lost its FP8 terms."""
+    from test_lora import fp8_lora_llama
+
     attn, (_, alone) = _attention(), make_layer(in_f=256)
-    for layer in (alone, attn.q_proj):
+    lora = fp8_lora_llama().base_model.model.model.layers[0].self_attn.q_proj
+    assert type(lora).__name__ == "FP8LoraLinear"
+    for layer in (alone, attn.q_proj, lora):
         x = torch.randn(3, 256, requires_grad=True)
         (dx_ref,) = torch.autograd.grad(layer(x).square().sum(), x)
         (dx,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)

@@ -496,6 +496,7 @@ def test_a_recipe_that_converts_nothing_says_so_from_the_users_line(tmp_path, de
         trainer = digit_trainer(tmp_path, demo_tokenizer, fp8_recipe=FP8Recipe(modules_to_not_convert=["layers"]))
     # The conversion's warnings name the line that built the trainer, not trl-fp8's own code.
     assert {Path(w.filename).name for w in record if "trl-fp8" in str(w.message)} == {"conftest.py"}
+    assert sum("converts none" in str(w.message) for w in record) == 1  # the start-up check does not say it again
     logs = train_and_check(trainer)
     assert trainer.fp8_backend == "none" and "fp8/backend/none" in set().union(*logs)
 
@@ -506,11 +507,13 @@ def test_fp8_sampling_alone_refuses_and_warns_as_end_to_end_fp8_does(tmp_path, d
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=128, n_layer=1, n_head=2, n_positions=64))
-    with pytest.raises(ValueError, match="found no decoder blocks in GPT2LMHeadModel"):
-        FP8GRPOTrainer(
-            model=gpt2, reward_funcs=digit_reward, args=tiny_grpo_args(tmp_path, fp8_training=False),
-            train_dataset=make_dataset(8), processing_class=demo_tokenizer,
-        )  # fmt: skip
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    for model in (gpt2, str(tmp_path / "gpt2")):  # a path: read from its config alone, before TRL loads it
+        with pytest.raises(ValueError, match="found no decoder blocks in GPT2LMHeadModel"):
+            FP8GRPOTrainer(
+                model=model, reward_funcs=digit_reward, args=tiny_grpo_args(tmp_path, fp8_training=False),
+                train_dataset=make_dataset(8), processing_class=demo_tokenizer,
+            )  # fmt: skip
     narrow = LlamaForCausalLM(
         LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2)
     )  # no linear spans a 128-block

@@ -286,8 +286,8 @@ def test_refit_call_sequence(sleep_mode):
 
 
 def test_sync_weights_wakes_sleeping_weights_once_even_when_the_reload_fails():
-    """With sleep mode, `sync_weights` wakes the weights only while they sleep (vLLM 0.22 maps them again otherwise),
-    and records them awake as soon as they are: after a refit that failed inside the reload, the next sync must not
+    """With sleep mode, `sync_weights` wakes the weights only while they sleep (a second sync without a generation
+    between them finds them awake), and records them awake as soon as they are: after a refit that failed inside the reload, the next sync must not
     wake them again. A stand-in: vLLM's CPU build has no sleep mode, and the engine here is `_RecordingLLM`."""
     from trl_fp8.generation.vllm_fp8 import FP8VLLMGeneration
 

@@ -352,9 +352,9 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         self._stream_meta = validate_stream(pairs, self._stream_meta)
         sent, bf16 = stream_nbytes(pairs)
         if self.enable_sleep_mode and self._llm_weights_sleeping:
-            # Only while asleep: a second sync without a generation between them (a `rollout_func`) would map their
-            # memory again, which vLLM 0.22's allocator does not guard against. Awake from here on, even if the
-            # reload fails: the flag must say so, or the next sync would wake them again.
+            # Only while asleep (a second sync without a generation between them, a `rollout_func`, finds them
+            # awake). Awake from here on, even if the reload fails: the flag must say so, or the next sync would wake
+            # them again.
             empty_cache()
             self.llm.wake_up(tags=["weights"])
             self._llm_weights_sleeping = False

@@ -7,7 +7,9 @@ import logging
 import os
 
 import torch
+from accelerate.utils import is_peft_model
 from packaging.version import Version
+from torch import nn
 
 from ..quant.backends import resolve_backend
 from ..quant.te_linear import te_recipe_status
@@ -44,7 +46,7 @@ def check_peft_config(peft_config, fp8_training: bool) -> None:
 
 def _meta_skeleton(model, args: FP8GRPOConfig):
     """An empty (meta-device) copy of the policy's architecture (`model`: a loaded model or a path), or `None` where
-    it cannot be built (the real model is checked later then). No weights are read."""
+    it cannot be built. No weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -85,7 +87,10 @@ def check_fp8_architecture(model, args: FP8GRPOConfig, *, warn: bool) -> None:
     else would say it)."""
     from ..quant.convert import check_fp8_selection
 
-    skeleton = _meta_skeleton(model, args)  # a PEFT model given: the architecture without its adapters
+    # A loaded model is read as it is (the selection changes nothing); a path, or a PEFT model, through an empty copy
+    # of its architecture. One that cannot be built is left to the conversion, with fp8_training.
+    plain = isinstance(model, nn.Module) and not is_peft_model(model)
+    skeleton = model if plain else _meta_skeleton(model, args)
     if skeleton is not None:  # (warnings at stacklevel 4: the line that built the trainer)
         check_fp8_selection(skeleton, args.resolved_fp8_recipe, warn=warn, stacklevel=4)
 
