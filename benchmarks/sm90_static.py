@@ -53,7 +53,7 @@ _GROUPED_WGRAD = dict(
     divisible="a_ptr b_ptr c_ptr as_ptr bs_ptr N K stride_an stride_bk stride_ce stride_cn stride_ast stride_bst",
 )
 _ACT = dict(
-    types=dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", amax_ptr="*fp32"),
+    types=dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32"),
     ints="M K M_Q M_T stride_xm stride_xk stride_sm stride_sk stride_stk stride_stm",
     divisible="x_ptr q_ptr s_ptr qt_ptr st_ptr M K M_Q M_T stride_xm stride_sk stride_stm",
 )

@@ -217,14 +217,17 @@ def test_an_adapter_added_to_an_fp8_layer_after_conversion_is_checked_too(lora, 
         list(iter_fp8_state(model.get_base_model()))
 
 
+@pytest.mark.parametrize("moved", ["layer", "base_layer"])
 @pytest.mark.parametrize("move", ["half_float", "same_address"])
-def test_moving_an_fp8_lora_layer_drops_its_merged_weight(move):
+def test_moving_an_fp8_lora_layer_drops_its_merged_weight(move, moved):
+    """Moving the LoRA layer, or its FP8 base alone (which the LoRA layer's own `_apply` never sees)."""
     from test_linear import MOVES, assert_quantizes_its_weight
 
     model = fp8_lora_llama()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         layer(torch.randn(2, 256))
-    MOVES[move](layer)
-    assert layer._fp8_cache is None
+    MOVES[move](layer if moved == "layer" else layer.base_layer)
+    if moved == "layer":
+        assert layer._fp8_cache is None
     assert_quantizes_its_weight(*layer.quantized_weight(), merged_weight(layer))

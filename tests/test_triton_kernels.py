@@ -66,9 +66,7 @@ def act(request):
         return fast_act
     from trl_fp8.quant.backends.triton_kernels import quantize_act
 
-    return lambda x, pow2_scales, with_t: quantize_act(
-        x, pow2_scales=pow2_scales, with_t=with_t, config=request.param
-    )[:4]
+    return lambda x, pow2_scales, with_t: quantize_act(x, pow2_scales=pow2_scales, with_t=with_t, config=request.param)
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 130), (130, 128)])
@@ -99,6 +97,48 @@ def test_fused_act_quantization_matches_reference_on_random_inputs(pow2, act):
     assert torch.equal(s, rs) and torch.equal(st, rst)
     if EXACT_ROUNDING:
         assert torch.equal(_codes(q), _codes(rq)) and torch.equal(_codes(qt), _codes(rqt))
+
+
+def _codes_with_nonfinite(rows: int, cols: int) -> torch.Tensor:
+    """Every finite E4M3 value (pow2 scales >= 1 keep them exact, and so does the scale 1 of a non-finite block),
+    with NaN and +-inf planted in different 1x128 and 128x128 blocks, one in a partial block."""
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x3F
+    x = codes.view(torch.float8_e4m3fn).float()
+    x[3, 5] = x[rows - 1, cols - 1] = float("nan")
+    x[130, 140], x[7, 200] = float("inf"), float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_act_quantization_keeps_nan_and_inf_as_the_reference_does(pow2, act):
+    """A NaN activation must come out NaN, as in the reference (and in BF16): Triton's `tl.max` and `tl.minimum`
+    drop NaN, which turned it into -448 and let a diverging run train on finite numbers. A block holding NaN or inf
+    gets scale 1 in both usages; inf clamps to +-448."""
+    x = _codes_with_nonfinite(200, 300).to(DEVICE)
+    q, s, qt, st = _unpadded(*act(x, pow2_scales=pow2, with_t=True), x.shape[0])
+    rq, rs = quantize_blockwise(x, (1, 128), pow2_scales=pow2, check_finite=False)
+    rqt, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=pow2, check_finite=False)
+    assert torch.equal(s, rs) and torch.equal(st, rst)
+    assert s[3, 0] == 1 and st[5, 0] == 1 and s[130, 1] == 1 and st[200, 0] == 1
+    assert torch.equal(q.float().isnan(), x.isnan()) and torch.equal(qt.float().isnan(), x.t().isnan())
+    assert q[130, 140].float() == 448 and q[7, 200].float() == -448 and qt[140, 130].float() == 448
+    if pow2 or EXACT_ROUNDING:
+        assert torch.equal(_codes(q), _codes(rq)) and torch.equal(_codes(qt), _codes(rqt))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_weight_kernel_keeps_nan_and_inf_as_the_reference_does(pow2):
+    """Unchecked (a forward defers the check), the weight's NaN stays NaN and its block amax says so."""
+    w = _codes_with_nonfinite(200, 300).to(DEVICE)
+    q, s, amax = fast_weight(w, (128, 128), pow2, "w", check_finite=False)
+    rq, rs = quantize_blockwise(w, (128, 128), pow2_scales=pow2, check_finite=False)
+    assert torch.equal(s, rs) and torch.equal(q.float().isnan(), w.isnan())
+    assert torch.equal(amax.isnan(), torch.tensor([[True, False, False], [False, False, True]], device=DEVICE))
+    assert torch.isinf(amax[1, 1]) and torch.isinf(amax[0, 1])
+    if pow2 or EXACT_ROUNDING:
+        assert torch.equal(_codes(q), _codes(rq))
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300)])
@@ -138,7 +178,7 @@ def test_a_subnormal_tile_gets_the_largest_finite_scale_as_in_the_reference(pow2
     _, rst = quantize_blockwise(x.t(), (1, 128), pow2_scales=pow2)
     _, rsw = quantize_blockwise(x, (128, 128), pow2_scales=pow2)
     assert bool((rs[:, 0] < 1e-30).all())  # 1 / fp32's max, not 1
-    _, s, _, st, _ = quantize_act(x, pow2_scales=pow2, with_t=True)
+    _, s, _, st = quantize_act(x, pow2_scales=pow2, with_t=True)
     assert torch.equal(s, rs) and torch.equal(st, rst)
     assert torch.equal(quantize_weight(x, pow2_scales=pow2)[1], rsw)
 
@@ -160,7 +200,9 @@ def test_nonfinite_weight_is_refused_at_the_latest_by_the_next_export():
     module.fp8_name = "model.layers.1.mlp.up_proj.weight"
     with torch.no_grad():
         module.weight[7, 7] = float("nan")
-    module(torch.randn(3, 256, device=DEVICE))  # no raise: Triton's clamp may even turn the NaN into +-448
+    y = module(torch.randn(3, 256, device=DEVICE))  # no raise
+    if EXACT_ROUNDING:  # the interpreter's GEMM reads E4M3's NaN code as 480
+        assert y.isnan().any()
     for _ in range(2):  # the check is not spent by the first refusal
         with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight.*1 NaN"):
             module.quantized_weight()
@@ -294,6 +336,22 @@ def test_fp8_linear_on_triton_backend_matches_emulated_in_bf16(pow2):
         _fprop_dgrad_wgrad(fast, x, dy), _fprop_dgrad_wgrad(slow, x, dy), ("y", "dx", "dw", "db"), strict=True
     ):
         assert sqnr_db(ref, got) > 45, what
+
+
+@pytest.mark.skipif(not EXACT_ROUNDING, reason="the interpreter's GEMM reads E4M3's NaN code as 480")
+def test_a_nan_in_training_shows_in_the_outputs_and_gradients_as_in_the_oracle():
+    """A token whose activation is NaN (an overflow upstream) turns its output row NaN, and a NaN output gradient
+    turns dX and dW NaN, on the fast path as on `emulated`: a diverging run shows a NaN loss, not finite garbage."""
+    torch.manual_seed(0)
+    fast, slow = _linear_pair(torch.randn(256, 384) * 0.02, torch.randn(256), pow2=False)
+    x = torch.randn(2, 70, 384, device=DEVICE)
+    x[1, 9, 17] = float("nan")
+    dy = torch.randn(2, 70, 256, device=DEVICE)
+    dy[0, 3, 250] = float("nan")
+    got, ref = _fprop_dgrad_wgrad(fast, x, dy), _fprop_dgrad_wgrad(slow, x, dy)
+    for g, r, what in zip(got, ref, ("y", "dx", "dw", "db"), strict=True):
+        assert g.isnan().any() and torch.equal(g.isnan(), r.isnan()), what
+    assert got[0].isnan().sum() == 256 and got[0][1, 9].isnan().all()  # that token's row, and only it
 
 
 def test_gpu_bench_reads_the_gemm_autotuner_it_records():

@@ -297,6 +297,8 @@ class FP8Linear(nn.Linear):
         self._w_cache = None
         if self._siblings is not None:
             self._siblings.drop_caches()
+        # A PEFT LoRA layer over this one caches its merged weight and never sees a move of its base alone.
+        mark_weights_changed()
         return super()._apply(fn, recurse)
 
     def _backend_for(self, device: torch.device):
