@@ -1,6 +1,7 @@
 """Blockwise quantization against a slow, independent reference: per-block Python/numpy float32 math and an E4M3
 rounding oracle built from the 256 bit patterns of the format (bit-exact, no tolerance)."""
 
+import copy
 import math
 
 import numpy as np
@@ -150,6 +151,27 @@ def test_sampler_linear_sees_new_scales_under_the_same_codes():
     assert torch.equal(layer(x), 2 * y)
     layer.weight.copy_((-q.float()).to(FP8_DTYPE))  # the codes alone change (negation is exact in E4M3)
     assert torch.equal(layer(x), -2 * y)
+
+
+def test_a_dtype_move_keeps_the_sampler_linears_fp8_weight_and_fp32_scales():
+    """`.to(dtype)` and `.half()` convert every floating-point buffer, e4m3 codes and fp32 scales included: the
+    codes would become bf16 values and the scales be rounded to bf16. As vLLM's layer, `W8A8Linear` keeps them as
+    they are; only the bias takes the new dtype, and the output the input's."""
+    torch.manual_seed(0)
+    layer = W8A8Linear(300, 200, bias=True, dtype=torch.float32)
+    q, scale_inv = quantize_blockwise(many_scales(200, 300, (128, 128), seed=3), (128, 128))
+    layer.weight.copy_(q)
+    layer.weight_scale_inv.copy_(scale_inv)
+    layer.bias.copy_(torch.randn(200))
+    x = torch.randn(5, 300)
+    for move in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.float64)):
+        moved = move(copy.deepcopy(layer))
+        assert moved.weight.dtype == FP8_DTYPE and moved.weight_scale_inv.dtype == torch.float32
+        assert torch.equal(moved.weight.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(moved.weight_scale_inv, scale_inv)
+        same_bias = copy.deepcopy(layer)
+        same_bias.bias.copy_(moved.bias.float())  # the one rounding a dtype move may make
+        assert torch.equal(moved(x), same_bias(x))
 
 
 def _identity_sampler_linear(features: int, *, bias: bool, pow2_scales: bool = False) -> W8A8Linear:

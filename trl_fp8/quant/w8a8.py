@@ -87,6 +87,18 @@ class W8A8Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         self._w_dq: tuple[tuple[int, int], torch.Tensor] | None = None
 
+    def _apply(self, fn, recurse=True):
+        # To torch, e4m3 and fp32 buffers are floating point like any: `.to(dtype)` and `.half()` would make the codes
+        # bf16 values and round the scales. As vLLM's layer, this one keeps them; only their device follows.
+        held = {name: self._buffers[name] for name in ("weight", "weight_scale_inv")}
+        super()._apply(fn, recurse)
+        for name, old in held.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        self._w_dq = None
+        return self
+
     def dequantized_weight(self) -> torch.Tensor:
         # Keyed on the buffers' version counters: any in-place load (sync, load_state_dict) invalidates it.
         key = (self.weight._version, self.weight_scale_inv._version)
