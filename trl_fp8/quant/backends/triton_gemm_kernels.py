@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _UNTIMED, _interpreting
+from ._quantize import interpreting
+from .triton_kernels import _UNTIMED
 
 
 @triton.jit
@@ -95,7 +96,7 @@ def _prune_configs(configs, named_args, **kwargs):
     """The TMA configs only for operands TMA can read (`TMA_OK`). Triton's CPU interpreter cannot time kernels: there
     the first config left runs, through the autotuner all the same (so the tests run the tuned launches)."""
     keep = [c for c in configs if named_args["TMA_OK"] or not c.kwargs["TMA"]]
-    return keep[:1] if _interpreting() else keep
+    return keep[:1] if interpreting() else keep
 
 
 _AUTOTUNE = dict(prune_configs_by={"early_config_prune": _prune_configs}, **_UNTIMED)
@@ -122,7 +123,7 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     aligned = all(
         t.stride(1) == 1 and t.stride(0) > 0 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
     )
-    if _interpreting():
+    if interpreting():
         return aligned
     return aligned and a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
 
@@ -175,7 +176,7 @@ def gemm(
                 f"config TMA=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
                 f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA)"
             )
-    if tma_ok and not _interpreting():
+    if tma_ok and not interpreting():
         _ensure_allocator()
     if config is not None:
         grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
@@ -288,11 +289,11 @@ def _launch_grouped(kernel, tuned, grid, args, tma, blocks, fixed):
             f"tma=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
             f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA)"
         )
-    if tma_ok and not _interpreting():
+    if tma_ok and not interpreting():
         _ensure_allocator()
     if tma is None:
         tuned[grid(128)](*args, **dict.fromkeys(blocks, 128), **fixed)
-    elif _interpreting():
+    elif interpreting():
         kernel[grid(64)](*args, TMA=tma, **dict.fromkeys(blocks, 64), **fixed)
     else:
         options = dict(num_warps=4, num_stages=3) if tma else dict(num_warps=8, num_stages=3)

@@ -12,20 +12,16 @@ keep NaN as the reference's do (a block holding one gets scale 1, its NaN stays 
 - `quantize_weight`: 128x128 blocks, with the block amax kept for the finiteness check.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from ._quantize import interpreting
 
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)
 # Read when Triton reads TRITON_INTERPRET: as the kernels are decorated, on import.
-INTERPRETED: tl.constexpr = tl.constexpr(_interpreting())
+INTERPRETED: tl.constexpr = tl.constexpr(interpreting())
 F32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
@@ -44,9 +40,9 @@ def _scale(amax, POW2: tl.constexpr):
 def _cast(x, scale):
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if INTERPRETED:
-        # Hopper's convert (`cvt.rn.satfinite`) keeps NaN; the interpreter's makes 384 of it. NaN's code is then
-        # set here, 0x7F as torch's cast of a positive NaN: a select per element that the GPU does not pay for
-        # (13-22% more SASS instructions in the act kernel, compiled for SM90).
+        # PTX documents Hopper's convert (`cvt.rn.satfinite`) as keeping NaN, which the GPU tests check; the
+        # interpreter's makes 384 of it. NaN's code is then set here, 0x7F as torch's cast of a positive NaN: a
+        # select per element that the GPU does not pay for (13-22% more SASS instructions in the act kernel).
         q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         return tl.where(y != y, 0x7F, q).to(tl.float8e4nv, bitcast=True)
     return y.to(tl.float8e4nv)
@@ -168,14 +164,14 @@ def _only_in_interpreter(kwargs: dict):
     """In the interpreter the autotuner keeps the one config `kwargs` names: the tests run the tuned launches."""
 
     def prune(configs, named_args, **_):
-        return [c for c in configs if c.kwargs == kwargs] if _interpreting() else configs
+        return [c for c in configs if c.kwargs == kwargs] if interpreting() else configs
 
     return prune
 
 
 # What Triton's CPU interpreter runs. `_UNTIMED` is read when Triton reads TRITON_INTERPRET: as kernels are decorated.
 INTERPRETER_ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
-_UNTIMED = {"do_bench": _untimed} if _interpreting() else {}
+_UNTIMED = {"do_bench": _untimed} if interpreting() else {}
 quant_act_kernel_tuned = triton.autotune(
     configs=_ACT_CONFIGS,
     key=["K", "WITH_T"],
