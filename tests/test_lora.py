@@ -231,3 +231,27 @@ def test_moving_an_fp8_lora_layer_drops_its_merged_weight(move, moved):
     if moved == "layer":
         assert layer._fp8_cache is None
     assert_quantizes_its_weight(*layer.quantized_weight(), merged_weight(layer))
+
+
+def test_an_adapted_layers_output_may_be_clamped_in_place_as_olmo_does():
+    """OLMo 1.7's `clip_qkv` clamps q, k and v with `clamp_`, which autograd forbids on a view a custom Function made
+    (the adapted layer's output was one); the gradients are those of clamping out of place, bit for bit."""
+    layer = fp8_lora_llama().base_model.model.model.layers[0].self_attn.q_proj
+    x0 = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1))
+    params = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+
+    def run(in_place: bool):
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_(True)
+        y = layer(x)
+        y = y.clamp_(-0.5, 0.5) if in_place else y.clamp(-0.5, 0.5)
+        y.backward(dy)
+        return y, x.grad, [p.grad for p in params]
+
+    y, dx, grads = run(in_place=True)
+    y_ref, dx_ref, grads_ref = run(in_place=False)
+    assert 0.1 < (y.abs() == 0.5).float().mean() < 0.9  # the clamp decides part of every gradient
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert all(torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from conftest import sqnr_db, tiny_config_kwargs, triton_marks
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
@@ -275,3 +276,36 @@ def test_a_copy_of_one_sibling_runs_alone_as_the_original_ran(how):
     assert torch.equal(y_lone, y) and lone._group() is None
     assert torch.equal(torch.autograd.grad(y_lone.square().sum(), x)[0], dx)
     assert q_proj._group() is q_proj._siblings  # the original stays grouped
+
+
+@pytest.mark.parametrize("backend", ["emulated", pytest.param("triton", marks=triton_marks())])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "alone"])
+def test_q_k_and_v_may_be_clamped_in_place_as_olmo_does(stacked, backend):
+    """OLMo 1.7's `clip_qkv` clamps each of q, k and v with `clamp_`. Autograd forbids that on a view a custom
+    Function made (each linear's output was one: the reshape, and Triton's padded rows dropped) and on one of several
+    views one call returned (the stacked siblings' were); the gradients are those of clamping out of place, bit for
+    bit."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels run compiled there
+    torch.manual_seed(0)
+    members = [FP8Linear.from_linear(nn.Linear(256, n, device=device), backend=backend) for n in (256, 128, 128)]
+    if stacked:
+        FP8SiblingGroup(members)
+    x0, c = torch.randn(3, 7, 256, device=device), 0.5  # 21 tokens: the Triton quantizer pads them to 24 rows
+    gs = [torch.randn(3, 7, m.out_features, device=device) for m in members]
+
+    def run(in_place: bool):
+        x = x0.clone().requires_grad_(True)
+        for m in members:
+            m.weight.grad = m.bias.grad = None
+        outs = [m(x) for m in members]
+        outs = [o.clamp_(-c, c) if in_place else o.clamp(-c, c) for o in outs]
+        sum((o * g).sum() for o, g in zip(outs, gs, strict=True)).backward()
+        return outs, x.grad, [p.grad for m in members for p in (m.weight, m.bias)]
+
+    outs, dx, grads = run(in_place=True)
+    outs_ref, dx_ref, grads_ref = run(in_place=False)
+    clipped = torch.cat([(o.abs() == c).flatten() for o in outs]).float().mean()
+    assert 0.1 < clipped < 0.9  # the clamp decides part of every gradient
+    assert all(torch.equal(o, r) for o, r in zip(outs, outs_ref, strict=True))
+    assert torch.equal(dx, dx_ref)
+    assert all(torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))

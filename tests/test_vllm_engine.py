@@ -495,7 +495,7 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
 # tiny Gemma 2 (untied lm_head) and Phi (GQA), which vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads
 # `block_dim`, which the tiny config lacks), and GPT-OSS (refused with fp8_generation).
 VLLM_FAMILIES = (
-    "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral", "gemma3", "olmo2", "smollm3", "granite", "glm4",
+    "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral", "gemma3", "olmo", "olmo2", "smollm3", "granite", "glm4",
     "starcoder2", "cohere2", "exaone4", "ernie4_5", "mixtral", "olmoe", "gpt_neox",
 )  # fmt: skip
 

@@ -22,6 +22,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=16)),
+    # OLMo 1.7 (OLMo-7B-0424, -0724) clips q, k and v in place at 8: `clamp_` on the q/k/v linears' outputs. No GQA,
+    # as in OLMo, whose vLLM class has none.
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=8.0, num_key_value_heads=4)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),

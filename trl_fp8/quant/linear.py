@@ -67,6 +67,14 @@ def full_shape(p: torch.Tensor) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_id") else p.shape
 
 
+def as_output(y: torch.Tensor) -> torch.Tensor:
+    """`y` as a custom Function's output that the model may still modify in place (OLMo's `clip_qkv` clamps q, k
+    and v with `clamp_`): autograd forbids that on a view made inside the Function (`[:m]` dropping a backend's
+    padded rows, the reshape to the input's shape). `detach()` gives a tensor over the same memory that autograd does
+    not count as a view, copying nothing; always, since a `_is_view()` test would break `torch.compile`'s graph."""
+    return y.detach()
+
+
 def version_of(x: torch.Tensor) -> int | None:
     """`x`'s version counter, or None for a tensor made under `torch.inference_mode()`, which keeps none."""
     return None if x.is_inference() else x._version
@@ -135,7 +143,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         ctx.backend, ctx.pow2_scales, ctx.w_block = backend, pow2_scales, w_block
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return as_output(y.reshape(*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # dX has no graph: a double backward must fail, not get nothing

@@ -22,7 +22,15 @@ from torch import nn
 
 from .adapters import lora_layers, merged_weight, tied_weights
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, mark_weights_changed, weights_epoch
+from .linear import (
+    FP8Linear,
+    _SharedActivation,
+    as_output,
+    autocast_input,
+    is_sharded,
+    mark_weights_changed,
+    weights_epoch,
+)
 
 
 class _FP8LoraFunction(torch.autograd.Function):
@@ -55,7 +63,7 @@ class _FP8LoraFunction(torch.autograd.Function):
         ctx.save_for_backward(*keep, x2d, lora_a, lora_b)
         ctx.backend, ctx.pow2_scales, ctx.w_block, ctx.x_shape = backend, pow2, w_block, x.shape
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return as_output(y.reshape(*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph

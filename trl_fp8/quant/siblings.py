@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, version_of, weights_epoch
+from .linear import FP8Linear, _SharedActivation, as_output, autocast_input, is_sharded, version_of, weights_epoch
 
 
 SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -62,14 +62,17 @@ class _FP8SiblingsFunction(torch.autograd.Function):
         ctx.group, ctx.backend, ctx.x_shape, ctx.x_dtype = group, backend, x.shape, x.dtype
         ctx.w_dtypes = [w.dtype for w in weights]
         ctx.has_bias = [b is not None for b in biases]
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        # One output per sibling, each its own tensor over its columns of Y (no copy): a model may modify one in
+        # place (OLMo's clip_qkv clamps q, k and v in turn), which views of one Y, sharing a version counter, forbid.
+        return tuple(as_output(y[..., r0:r1]) for r0, r1 in group.rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         w_fp8_t, w_s_t, xt_fp8, xt_s = ctx.saved_tensors
         group, backend, n = ctx.group, ctx.backend, len(ctx.group.members)
-        dy2d = dy.reshape(-1, dy.shape[-1])
+        dy2d = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], dim=1)
         m = dy2d.shape[0]
         needs_w = ctx.needs_input_grad[3 : 3 + n]
         dy_fp8, dy_s, dyt_fp8, dyt_s = backend.quantize_act(dy2d, group.pow2_scales, any(needs_w))
@@ -197,8 +200,7 @@ class FP8SiblingGroup:
             return out
         params = [m.weight for m in self.members] + [m.bias for m in self.members]
         # Pending outputs stay keyed on the caller's x: the autocast copy is new at every call.
-        y = _FP8SiblingsFunction.apply(autocast_input(x), self, torch.is_grad_enabled(), *params)
-        outs = torch.split(y, [r1 - r0 for r0, r1 in self.rows], dim=-1)
+        outs = _FP8SiblingsFunction.apply(autocast_input(x), self, torch.is_grad_enabled(), *params)
         rest = {j: o for j, o in enumerate(outs) if j != i}
         # An inference tensor keeps no version to match by: its siblings recompute (rare: TRL's policy passes use
         # no_grad).
