@@ -183,3 +183,61 @@ def test_te_export_refuses_nonfinite_weights_and_keeps_frozen_biases():
         fast.weight[3, 5] = float("nan")
     with pytest.raises(ValueError, match=r"cannot quantize 'layers.0.q_proj.weight' to FP8: 1 of 65536 .*1 NaN"):
         fast.quantized_weight()
+
+
+class _ViewingLinear(torch.autograd.Function):
+    """Y = X · Wᵀ returned as TE's `_Linear` returns it, a view made inside the function (`out.view(-1, ..., N)`);
+    a stand-in for TE, which cannot run here (fprop only matters: dgrad dX = dY · W, wgrad dW = dYᵀ · X)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        out = x @ w.t()
+        return out.view(-1, out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy @ w, dy.t() @ x
+
+
+def test_an_output_like_te_s_may_be_clamped_in_place_through_modifiable():
+    """OLMo 1.7's `clip_qkv` clamps q, k and v in place; autograd refuses that on TE's output, a view its autograd
+    function made. `modifiable` hands out the same memory (no copy) as a tensor that may be, with the gradients of
+    clamping out of place."""
+    from trl_fp8.quant.te_linear import modifiable
+
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(6, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True), torch.randn(6, 16)
+    with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+        _ViewingLinear.apply(x, w).clamp_(-1, 1)
+
+    def run(in_place: bool):
+        x.grad = w.grad = None
+        y = modifiable(_ViewingLinear.apply(x, w)) if in_place else _ViewingLinear.apply(x, w)
+        y = y.clamp_(-1, 1) if in_place else y.clamp(-1, 1)
+        y.backward(dy)
+        return y, x.grad, w.grad
+
+    y, dx, dw = run(in_place=True)
+    assert 0.1 < (y.abs() == 1).float().mean() < 0.9  # the clamp decides part of every gradient
+    assert all(torch.equal(a, b) for a, b in zip((y, dx, dw), run(in_place=False), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+@te_only
+def test_te_linear_output_may_be_clamped_in_place():
+    from trl_fp8.quant.te_linear import te_linear_class
+
+    torch.manual_seed(0)
+    fast = te_linear_class().from_linear(nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16), pow2_scales=False)
+    x = torch.randn(2, 24, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grads = []
+    for in_place in (True, False):
+        x.grad = fast.weight.grad = None
+        y = fast(x)
+        y = y.clamp_(-0.5, 0.5) if in_place else y.clamp(-0.5, 0.5)
+        y.float().square().sum().backward()
+        grads.append((y.detach(), x.grad, fast.weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -23,6 +23,8 @@ Written against TransformerEngine 2.20's source; no machine this project tests o
   downstream (the sync stream above all) takes it for a bias.
 - The swapped module holds copies of the weights (TE tags its own Parameters): build the optimizer after conversion,
   as `FP8GRPOTrainer` does.
+- TE's linear returns a view it made inside its autograd function (`out.view(-1, ..., out_features)`), which autograd
+  forbids modifying in place; OLMo 1.7's `clip_qkv` clamps q, k and v so. The output goes out through `modifiable`.
 """
 
 import functools
@@ -34,6 +36,24 @@ from torch import nn
 
 from .blockwise import _raise_nonfinite
 from .linear import weights_epoch
+
+
+class _Modifiable(torch.autograd.Function):
+    """Y = X, as a tensor over X's memory that autograd does not count as a view (no GEMM: an identity, dX = dY)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
+def modifiable(y: torch.Tensor) -> torch.Tensor:
+    """`y`, another library's autograd output, as a tensor a model may modify in place, copying nothing. A view made
+    inside a custom autograd function (TE's linear returns one) cannot be: autograd refuses the in-place op."""
+    return _Modifiable.apply(y)
 
 
 MIN_TE_VERSION = (2, 20)  # what this file was written against; 2.9-2.16 have the names below but not constants.DType
@@ -145,7 +165,7 @@ def te_linear_class() -> type:
                 x2d = torch.nn.functional.pad(x2d, (0, 0, 0, pad))
             with te.autocast(enabled=True, recipe=self.te_recipe):
                 y = super().forward(x2d, *args, **kwargs)
-            return y[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
+            return modifiable(y)[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
 
         def _apply(self, fn, recurse=True):
             self._w_cache = None  # as FP8Linear's: after `.to()` the key may match a weight that changed
