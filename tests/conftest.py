@@ -165,6 +165,15 @@ def vllm_ready() -> bool:
     return torch.cuda.is_available() or current_platform.is_cpu()
 
 
+def vllm_fp8_kv_cache_ready() -> bool:
+    """Whether vLLM runs an FP8 KV cache here: on a GPU, or on its CPU build with AVX-512 or AMX, the only CPUs its CPU
+    attention has FP8 KV-cache kernels for (vLLM 0.31's `cpu_attn._get_attn_isa` refuses the others)."""
+    return torch.cuda.is_available() or torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+NO_VLLM_FP8_KV_CACHE = "vLLM's CPU build runs an FP8 KV cache only on x86 with AVX-512 or AMX, which this CPU lacks"
+
+
 def triton_marks() -> list:
     """Skip marks for tests of the Triton kernels: compiled on a GPU, or run by Triton's CPU interpreter (whose loops
     over runtime ints need triton >= 3.9 with numpy >= 2.4)."""

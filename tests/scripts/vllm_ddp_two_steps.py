@@ -4,9 +4,10 @@ as on a node of GPUs; then each rank writes what its engine serves (weights, K/V
 parameters and its export to `<output_dir>/rank{r}.pt`. With
 `--tp`, the two ranks' engines are one engine in tensor parallelism (`vllm_tensor_parallel_size=2`), on a tiny Qwen3
 whose every shard is whole 128x128 blocks. On vLLM's CPU build the block-FP8 kernels are stood in for as in
-tests/scripts/vllm_two_steps.py.
+tests/scripts/vllm_two_steps.py. `--no_kv_cache` leaves the FP8 KV cache out (vLLM's CPU build runs one only on
+x86 with AVX-512 or AMX).
 
-    accelerate launch --multi_gpu --num_processes 2 tests/scripts/vllm_ddp_two_steps.py OUTPUT_DIR [--tp]
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/vllm_ddp_two_steps.py OUTPUT_DIR [--tp] [--no_kv_cache]
 """
 
 import os
@@ -35,7 +36,7 @@ def gathered(model, zero3: bool):
     return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
-def main(output_dir: str, tp: bool) -> None:
+def main(output_dir: str, tp: bool, kv_cache: bool) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _emulate_vllm_fp8_kernels_on_cpu()
@@ -52,7 +53,7 @@ def main(output_dir: str, tp: bool) -> None:
     args = FP8GRPOConfig(
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
         use_cpu=not on_gpu, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
-        learning_rate=0.05, fp8_kv_cache=True, report_to="none", logging_steps=1, save_strategy="no",
+        learning_rate=0.05, fp8_kv_cache=kv_cache, report_to="none", logging_steps=1, save_strategy="no",
         disable_tqdm=True, vllm_llm_kwargs={"enforce_eager": True}, vllm_tensor_parallel_size=2 if tp else 1,
     )  # fmt: skip
     trainer = FP8GRPOTrainer(model, reward_funcs=digit_count_reward, args=args, train_dataset=make_dataset(64))
@@ -87,12 +88,14 @@ def main(output_dir: str, tp: bool) -> None:
             "served": engine.llm.apply_model(lambda m: {n: p.detach().cpu() for n, p in m.named_parameters()})[0],
             "kv_scales_served": engine.llm.apply_model(
                 lambda m: [[float(getattr(layer.self_attn.attn, n)) for n in names] for layer in m.model.layers]
-            )[0],
-            "kv_scales_sent": engine._kv_scale_invs.tolist(),
+            )[0]
+            if kv_cache
+            else None,
+            "kv_scales_sent": engine._kv_scale_invs.tolist() if kv_cache else None,
         },
         os.path.join(output_dir, f"rank{PartialState().process_index}.pt"),
     )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--tp" in sys.argv[2:])
+    main(sys.argv[1], "--tp" in sys.argv[2:], "--no_kv_cache" not in sys.argv[2:])
