@@ -16,6 +16,7 @@ from conftest import ACCUMULATION_DB, families, sqnr_db, tiny_grpo_args, triton_
 from trl_fp8 import FP8GRPOTrainer, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.families import FAMILIES, available, tiny, varied_reward
 from trl_fp8.demo.task import make_dataset
+from trl_fp8.generation.vllm_layout import _layer_config
 from trl_fp8.quant import fp8_modules
 from trl_fp8.quant.moe import FP8Experts, W8A8Experts, iter_expert_pairs
 
@@ -121,10 +122,10 @@ def test_each_family_config_names_the_kv_heads_its_weights_hold(family):
     serves a family through its Transformers backend, which runs the model's own projections (GPT-NeoX from vLLM
     0.32): a tiny config naming other KV heads than its weights hold samples from another model than the learner's."""
     model = tiny(family)
-    config = model.config
+    name, k = next((n, m) for n, m in model.named_modules() if n.endswith(("k_proj", "query_key_value")))
+    config = _layer_config(model.config, name)  # Gemma 4's head_dim is per layer
     named = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    name, k = next((n, m) for n, m in model.named_modules() if n.endswith(("k_proj", "query_key_value")))
     held = k.out_features // (3 * head_dim if name.endswith("query_key_value") else head_dim)  # q, k, v per head
     assert named == held, f"{family}: the config names {named} KV heads, {name} holds {held}"
 

@@ -323,6 +323,17 @@ def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
         )  # fmt: skip
 
 
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+def test_layers_reading_another_layers_kv_are_refused_by_name():
+    """Gemma 4's last `num_kv_shared_layers` layers attend over an earlier layer's K/V cache: their FP8 K/V would need
+    that layer's scales, and calibration found no K/V of their own to measure (it failed, naming the layers)."""
+    with pytest.raises(ValueError, match=r"not supported for gemma4_text: its last 1 layers \(num_kv_shared_layers\)"):
+        ReferenceEngine(
+            tiny("gemma4"), Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+            eos_token_ids=[2], pad_token_id=0,
+        )  # fmt: skip
+
+
 def test_the_trainer_refuses_it_before_converting_the_model_it_was_given(tmp_path):
     from trl_fp8.demo.tiny_moe import tiny_deepseek_v3
 
@@ -359,8 +370,11 @@ def test_every_family_decodes_through_the_fp8_kv_cache_as_it_reads_the_whole_seq
     if not available(family):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     torch.manual_seed(0)
+    # Gemma 4's layers that read another layer's K/V are refused with the FP8 KV cache (the test below); the rest
+    # of it (head_dim 64 in sliding layers, 512 in full ones, whose values are their keys) decodes here.
+    model = tiny(family, num_kv_shared_layers=0) if family == "gemma4" else tiny(family)
     engine = ReferenceEngine(
-        tiny(family), Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        model, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
         eos_token_ids=[2], pad_token_id=0, max_completion_length=12,
     )  # fmt: skip
     prompts = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13, 14, 15, 16]]

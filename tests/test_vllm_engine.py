@@ -504,7 +504,10 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
 # The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through
 # vLLM 0.31's Transformers backend; Qwen3.5 with an empty torchvision, see tests/scripts/vllm_family.py). Left out:
 # tiny Gemma 2 (untied lm_head) and Phi (GQA), which vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads
-# `block_dim`, which the tiny config lacks), and GPT-OSS (refused with fp8_generation).
+# `block_dim`, which the tiny config lacks), GPT-OSS (refused with fp8_generation), and Gemma 4: it trains, every
+# parameter is written, but its two steps' token_mult_prob_error against vLLM 0.31 is 1.05-1.09 (with or without its
+# KV-shared and values-are-keys layers; BF16 through TRL's own engine: 1.01-1.02), of the order the reference engine
+# shows for it under bf16=True (benchmarks/RESULTS.md, "Model families"), above this test's 1.05.
 VLLM_FAMILIES = (
     "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral", "gemma3", "olmo", "olmo2", "smollm3", "granite", "glm4",
     "starcoder2", "cohere2", "exaone4", "ernie4_5", "mixtral", "olmoe", "gpt_neox",

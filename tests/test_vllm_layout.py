@@ -288,3 +288,22 @@ def test_qwen3_next_fused_qkvz_splits_over_ranks_as_one_partition():
         ValueError, match=r"qkvz in block FP8 with vllm_tensor_parallel_size=4: output of .* per rank is 64"
     ):
         check_vllm_fp8_layers(narrow, FP8Recipe(modules_to_not_convert=["mlp.experts"]), tp_size=4)
+
+
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_attention_rows_come_from_each_layers_own_config(tp_size):
+    """Gemma 4's config is heterogeneous: head_dim 64 in the tiny sliding-window layer, 512 in full-attention ones,
+    and it refuses `config.head_dim` (transformers' AmbiguousGlobalPerLayerAttributeError, which stopped every
+    colocated-vLLM run of Gemma 4 at start). Each layer's q/k/v rows per rank follow its own head_dim."""
+    model = tiny("gemma4", attention_k_eq_v=False)
+    rows = {x.name: x.output_partition_sizes for x in vllm_linears(model, tp_size) if x.name.endswith("qkv_proj")}
+    assert rows == {
+        "model.layers.0.self_attn.qkv_proj": (4 * 64 // tp_size, 2 * 64 // tp_size, 2 * 64 // tp_size),
+        "model.layers.1.self_attn.qkv_proj": (4 * 512 // tp_size, 2 * 512 // tp_size, 2 * 512 // tp_size),
+    }  # layer 2 reads layer 1's K/V: it has no k_proj or v_proj
+    if tp_size == 1:
+        check_vllm_fp8_layers(convert_to_fp8(model), FP8Recipe(), tp_size)
+    else:  # the tiny sliding layer's k, 64 rows per rank, is half a block
+        with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj per rank is 64, not a multiple of 128"):
+            check_vllm_fp8_layers(convert_to_fp8(model), FP8Recipe(), tp_size)

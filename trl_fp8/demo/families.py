@@ -14,6 +14,11 @@ TINY = dict(
 UNSET = object()  # a TINY field left out of a family's config
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
 HYBRID = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])  # Gated DeltaNet + attention
+GEMMA4 = dict(
+    num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=16,
+    hidden_size_per_layer_input=128, vocab_size_per_layer_input=128, num_kv_shared_layers=1, use_double_wide_mlp=True,
+    attention_k_eq_v=True,
+)  # fmt: skip
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID),
@@ -22,6 +27,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=16)),
+    # Gemma 4's per-layer inputs, a last layer reading the K/V of the one before (its MLP double-wide, as in
+    # gemma-4-E2B) and full-attention layers whose values are their keys (attention_k_eq_v, as in gemma-4-31B).
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4),
     # OLMo 1.7 (OLMo-7B-0424, -0724) clips q, k and v in place at 8: `clamp_` on the q/k/v linears' outputs. No GQA,
     # as in OLMo, whose vLLM class has none.
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=8.0, num_key_value_heads=4)),

@@ -14,6 +14,7 @@ the learner, so that a bad combination fails at `FP8GRPOTrainer(...)` naming the
 """
 
 import math
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -88,11 +89,18 @@ def _attention_rows(config, tp_size: int) -> dict[str, int]:
     return {"q_proj": heads // tp_size * head_dim, "k_proj": kv_per_rank * head_dim, "v_proj": kv_per_rank * head_dim}
 
 
+def _layer_config(config, name: str):
+    """The config of the decoder layer that module `name` belongs to: a heterogeneous config (Gemma 4's: head_dim 256
+    in sliding-window layers, 512 in full-attention ones) refuses per-layer attributes such as `head_dim` globally."""
+    per_layer = getattr(config, "per_layer_config", None)
+    index = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return per_layer[int(index.group(1))] if per_layer is not None and index else config
+
+
 def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
     """The linears vLLM builds for `model`'s decoder layers on one rank (fused where vLLM fuses)."""
     modules = named_linears(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    attention = _attention_rows(config, tp_size)
     out = []
     for name, module in modules.items():
         parent, _, leaf = name.rpartition(".")
@@ -101,6 +109,7 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
             shards = tuple(f"{parent}.{s}" for s in FUSED[fused])
             if not all(s in modules for s in shards):
                 continue
+            attention = _attention_rows(_layer_config(config, name), tp_size)
             tp = 1 if fused in REPLICATED else tp_size
             rows = tuple(attention.get(s.rpartition(".")[2], modules[s].out_features // tp) for s in shards)
             if fused == "qkv_proj" and module.out_features == 2 * attention["q_proj"] * tp_size:
@@ -126,6 +135,7 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
             # (`_load_fused_module_from_checkpoint`, block scales at offset / 128): the same block rules hold per part.
             parts = PRE_FUSED[leaf]
             if leaf == "qkv_proj":
+                attention = _attention_rows(_layer_config(config, name), tp_size)
                 rows = tuple(attention[f"{p}_proj"] for p in parts)
             else:
                 rows = (module.out_features // 2 // tp_size,) * 2

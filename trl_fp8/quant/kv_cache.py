@@ -52,8 +52,9 @@ def recurrent_layers(config) -> dict[int, LinearAttentionCacheLayerMixin]:
 def check_kv_cache_supported(model: torch.nn.Module) -> None:
     """Refuses models whose KV cache the FP8 KV cache here does not model: MLA (DeepSeek-V2/V3, Moonlight) caches a
     compressed latent in vLLM, not the K/V this calibrates, and vLLM finds no `self_attn.k_scale` to load there;
-    attention modules named otherwise (GPT-NeoX's `attention`) leave vLLM no `self_attn.k_scale` either; and a layer
-    that holds a recurrent state beside its K/V has no FP8 cache layer here."""
+    attention modules named otherwise (GPT-NeoX's `attention`) leave vLLM no `self_attn.k_scale` either; a layer
+    that holds a recurrent state beside its K/V has no FP8 cache layer here; and layers that read another layer's K/V
+    (Gemma 4's `num_kv_shared_layers`) would need that layer's scales."""
     config = model.config
     what = f"fp8_kv_cache=True is not supported for {getattr(config, 'model_type', type(model).__name__)}"
     if getattr(config, "kv_lora_rank", None):
@@ -65,6 +66,12 @@ def check_kv_cache_supported(model: torch.nn.Module) -> None:
         raise ValueError(
             f"{what}: its attention modules are not named `self_attn`, where vLLM loads the K/V/Q scales "
             "(`model.layers.{i}.self_attn.k_scale`). Set fp8_kv_cache=False."
+        )
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise ValueError(
+            f"{what}: its last {config.num_kv_shared_layers} layers (num_kv_shared_layers) attend over the K/V cache "
+            "of earlier layers, which must then share those layers' K/V scales; trl-fp8 calibrates each layer's own. "
+            "Set fp8_kv_cache=False."
         )
     both = [i for i, layer in recurrent_layers(config).items() if isinstance(layer, DynamicLayer)]
     if both:
