@@ -110,14 +110,18 @@ def learner_gather(accelerator, model: nn.Module) -> Iterator:
     `FSDP2Gather` of `model` (the trainer's model, outermost) for FSDP2, else `None` (the weights are whole).
     Meanwhile `model` reads in its checkpoint's names (`activation_wrappers_set_aside`)."""
     dist = DistributedBackend(accelerator)
-    with activation_wrappers_set_aside(model):
-        if dist.is_zero3:
+    if dist.is_zero3:
+        with activation_wrappers_set_aside(model):
             yield dist.gather_params
-        elif dist.fsdp_version == 2:
-            gather = FSDP2Gather(model)
-            try:
+    elif dist.fsdp_version == 2:
+        # Its units are found with the wrappers in place: accelerate >= 1.16 shards a checkpointed layer's wrapper
+        # (1.15, the layer inside it), and the model holds no wrapper while they are set aside.
+        gather = FSDP2Gather(model)
+        try:
+            with activation_wrappers_set_aside(model):
                 yield gather
-            finally:
-                gather.close()
-        else:
+        finally:
+            gather.close()
+    else:
+        with activation_wrappers_set_aside(model):
             yield None
