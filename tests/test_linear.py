@@ -367,3 +367,61 @@ def test_double_backward_is_refused_not_answered_without_a_graph():
         assert torch.equal(dx, dx_ref)  # first-order gradients are unchanged
         with pytest.raises(RuntimeError, match="once_differentiable"):
             dx.square().sum().backward()
+
+
+def _moe_layer_kinds(model) -> dict[str, list[nn.Module]]:
+    from trl_fp8.quant.moe import FP8Experts
+
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    assert attn.q_proj._siblings is not None and attn.o_proj._siblings is None
+    assert isinstance(layer.mlp.experts, FP8Experts)
+    return {
+        "alone": [attn.o_proj],
+        "siblings": [attn.q_proj, attn.k_proj, attn.v_proj],
+        "experts": [layer.mlp.experts],
+    }
+
+
+@pytest.mark.parametrize("kind", ["alone", "siblings", "experts"])
+def test_a_backend_set_after_a_forward_is_the_one_that_runs(kind):
+    """Setting `backend` was ignored once a forward had resolved one: the layer went on with the old backend."""
+    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
+
+    model = convert_to_fp8(tiny_qwen3_moe(), FP8Recipe(backend="emulated"))
+    ids = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        logits = model(ids).logits
+    layers = _moe_layer_kinds(model)[kind]
+    for m in layers:
+        m.backend = "torch"  # cuBLAS: never on CPU tensors
+    with torch.no_grad(), pytest.raises(RuntimeError, match="FP8 backend 'torch'"):
+        model(ids)
+    for m in layers:
+        m.backend = "emulated"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+
+
+def test_a_backend_is_checked_when_set_and_siblings_must_share_theirs():
+    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
+
+    model = convert_to_fp8(tiny_qwen3_moe(), FP8Recipe(backend="emulated"))
+    kinds = _moe_layer_kinds(model)
+    for m in kinds["alone"] + kinds["experts"]:
+        with pytest.raises(
+            ValueError, match=r"model\.layers\.0\.(self_attn\.o_proj|mlp\.experts): unknown FP8 backend"
+        ):
+            m.backend = "fast"
+        assert m.backend == "emulated"
+    q, k, v = kinds["siblings"]
+    q.backend = "triton"
+    ids = torch.randint(0, 100, (1, 8))
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match=r"one backend(.|\n)*q_proj.weight: 'triton', .*k_proj.weight: 'emulated'"),
+    ):
+        model(ids)
+    q.backend = "emulated"
+    with torch.no_grad():
+        model(ids)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .backends import resolve_backend
+from .backends import check_backend_name, resolve_backend
 from .backends._quantize import check_amax
 
 
@@ -200,14 +200,13 @@ class FP8Linear(nn.Linear):
         weight_block_size: tuple[int, int] = (128, 128),
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.backend = backend
         self.weight_block_size = tuple(weight_block_size)
         self.pow2_scales = pow2_scales
-        self.fp8_name = "weight"
+        self.fp8_name = "weight"  # the weight's name in the model, set by `from_linear`: errors name the layer
         self._w_cache: tuple | None = None
-        self._backends: dict[torch.device, object] = {}
         # Set by `trl_fp8.quant.siblings.FP8SiblingGroup` when this linear runs stacked with its siblings (q/k/v).
         self._siblings, self._sibling_index = None, 0
+        self.backend = backend
 
     @classmethod
     def from_linear(
@@ -308,6 +307,20 @@ class FP8Linear(nn.Linear):
         # A PEFT LoRA layer over this one caches its merged weight and never sees a move of its base alone.
         mark_weights_changed()
         return super()._apply(fn, recurse)
+
+    @property
+    def backend(self) -> str:
+        """The backend's name. Setting it (also after a forward) checks the name and drops what the old backend
+        resolved and quantized; stacked siblings (q/k/v) run as one GEMM, so they must all be given the same one."""
+        return self._backend_name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._backend_name = check_backend_name(name, self.fp8_name.removesuffix(".weight") or "FP8Linear")
+        self._backends: dict[torch.device, object] = {}
+        self._w_cache = None
+        if self._siblings is not None:
+            self._siblings.drop_caches()
 
     def _backend_for(self, device: torch.device):
         if device not in self._backends:

@@ -120,8 +120,9 @@ class FP8LoraLinear(LoraLinear):
         return [a for a in self.active_adapters if a in self.lora_A]
 
     def _fp8_key(self, adapters: list[str]) -> tuple:
-        w = self.get_base_layer().weight
-        key = [weights_epoch(), w._version, w.data_ptr(), w.dtype, w.device]
+        base = self.get_base_layer()
+        w = base.weight
+        key = [weights_epoch(), base.backend, w._version, w.data_ptr(), w.dtype, w.device]
         for a in adapters:
             lora_a, lora_b = self.lora_A[a].weight, self.lora_B[a].weight
             key += [a, self.scaling[a], lora_a._version, lora_a.data_ptr(), lora_b._version, lora_b.data_ptr()]

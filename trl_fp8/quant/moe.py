@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .backends import resolve_backend
+from .backends import check_backend_name, resolve_backend
 from .backends._quantize import check_amax, triton_status
 from .linear import _FP8LinearFunction, autocast_input, full_shape, is_sharded, weights_epoch
 from .moe_grouped import grouped_experts_forward
@@ -111,9 +111,8 @@ class FP8Experts(ExpertsGate, nn.Module):
             raise ValueError(f"FP8Experts cannot run {name or 'these experts'} ({why})")
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.num_experts = full_shape(self.gate_up_proj)[0]
-        self.backend, self.pow2_scales, self.fp8_name = backend, pow2_scales, name
-        self._cache: dict[str, tuple] = {}
-        self._backends: dict[torch.device, object] = {}
+        self.pow2_scales, self.fp8_name = pow2_scales, name
+        self.backend = backend
         self.take_gate(experts)
 
     def __getstate__(self):
@@ -160,6 +159,17 @@ class FP8Experts(ExpertsGate, nn.Module):
             cached = (key, q.transpose(1, 2).contiguous())
             self._cache[f"{which}_t"] = cached
         return q, s, cached[1]
+
+    @property
+    def backend(self) -> str:
+        """The backend's name; setting it (also after a forward) checks it and drops the old backend's quantizations."""
+        return self._backend_name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._backend_name = check_backend_name(name, self.fp8_name or "FP8Experts")
+        self._backends: dict[torch.device, object] = {}
+        self._cache: dict[str, tuple] = {}
 
     def _backend(self, device: torch.device):
         if device not in self._backends:

@@ -141,7 +141,13 @@ class FP8SiblingGroup:
         self._cache = self._pending = None
 
     def backend(self, device: torch.device):
-        return self.members[0]._backend_for(device)
+        members = self.members
+        if len({m.backend for m in members}) > 1:
+            chosen = ", ".join(f"{m.fp8_name}: {m.backend!r}" for m in members)
+            raise ValueError(
+                f"stacked siblings run as one GEMM, on one backend; set the same backend on all: {chosen}"
+            )
+        return members[0]._backend_for(device)
 
     def _key(self) -> tuple:
         """What the stacked weight and pending outputs were made from: each member's weight (optimizer steps, version,

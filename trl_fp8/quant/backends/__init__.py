@@ -50,10 +50,16 @@ def available_backends(device: torch.device | None = None) -> dict[str, str]:
     return out
 
 
+def check_backend_name(name: str, where: str = "") -> str:
+    """`name` if it is a backend's name, else a `ValueError` naming `where` (the module given it)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"{where + ': ' if where else ''}unknown FP8 backend {name!r}; choose one of {BACKEND_NAMES}")
+    return name
+
+
 def resolve_backend(name: str, device: torch.device | None = None) -> ModuleType:
     """Returns the backend module for `name` on `device`; `"auto"` picks the fastest usable one and logs it once."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown FP8 backend {name!r}; choose one of {BACKEND_NAMES}")
+    check_backend_name(name)
     if name == "auto":
         for candidate, mod in BACKENDS.items():
             if device is not None and device.type != "cuda" and candidate != "emulated":
