@@ -327,7 +327,9 @@ def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
 def test_layers_reading_another_layers_kv_are_refused_by_name():
     """Gemma 4's last `num_kv_shared_layers` layers attend over an earlier layer's K/V cache: their FP8 K/V would need
     that layer's scales, and calibration found no K/V of their own to measure (it failed, naming the layers)."""
-    with pytest.raises(ValueError, match=r"not supported for gemma4_text: its last 1 layers \(num_kv_shared_layers\)"):
+    with pytest.raises(
+        ValueError, match=r"not supported for gemma4_text: its layers \[2\] \(the last num_kv_shared_layers=1\)"
+    ):
         ReferenceEngine(
             tiny("gemma4"), Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
             eos_token_ids=[2], pad_token_id=0,

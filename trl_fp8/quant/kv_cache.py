@@ -67,9 +67,10 @@ def check_kv_cache_supported(model: torch.nn.Module) -> None:
             f"{what}: its attention modules are not named `self_attn`, where vLLM loads the K/V/Q scales "
             "(`model.layers.{i}.self_attn.k_scale`). Set fp8_kv_cache=False."
         )
-    if getattr(config, "num_kv_shared_layers", 0):
+    if shared := getattr(config, "num_kv_shared_layers", 0):
+        layers = list(range(config.num_hidden_layers))[-shared:]
         raise ValueError(
-            f"{what}: its last {config.num_kv_shared_layers} layers (num_kv_shared_layers) attend over the K/V cache "
+            f"{what}: its layers {layers} (the last num_kv_shared_layers={shared}) attend over the K/V cache "
             "of earlier layers, which must then share those layers' K/V scales; trl-fp8 calibrates each layer's own. "
             "Set fp8_kv_cache=False."
         )
