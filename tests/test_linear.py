@@ -2,6 +2,7 @@
 high-precision nn.Linear, the weight cache, and backend selection."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -415,13 +416,31 @@ def test_a_backend_is_checked_when_set_and_siblings_must_share_theirs():
             m.backend = "fast"
         assert m.backend == "emulated"
     q, k, v = kinds["siblings"]
-    q.backend = "triton"
     ids = torch.randint(0, 100, (1, 8))
-    with (
-        torch.no_grad(),
-        pytest.raises(ValueError, match=r"one backend(.|\n)*q_proj.weight: 'triton', .*k_proj.weight: 'emulated'"),
-    ):
-        model(ids)
-    q.backend = "emulated"
+    changes = {"backend": "triton", "weight_block_size": (64, 128), "pow2_scales": True}
+    for setting, value in changes.items():
+        before = getattr(q, setting)
+        setattr(q, setting, value)
+        shown = repr(value) if setting == "backend" else str(value)
+        with (
+            torch.no_grad(),
+            pytest.raises(ValueError, match=rf"one GEMM(.|\n)*q_proj.weight: .*{setting}={re.escape(shown)}"),
+        ):
+            model(ids)
+        setattr(q, setting, before)
     with torch.no_grad():
         model(ids)
+
+
+def test_a_weight_block_size_set_after_a_forward_is_the_one_quantized():
+    _, layer = make_layer()
+    x = torch.randn(3, 384)
+    with torch.no_grad():
+        layer(x)
+    layer.weight_block_size = (64, 128)
+    q, s = layer.quantized_weight()
+    q_ref, s_ref = quantize_blockwise(layer.weight.detach(), (64, 128))
+    assert s.shape == (4, 3) and torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    fresh = FP8Linear.from_linear(layer.to_linear(), backend="emulated", weight_block_size=(64, 128))
+    with torch.no_grad():
+        assert torch.equal(layer(x), fresh(x))

@@ -200,12 +200,12 @@ class FP8Linear(nn.Linear):
         weight_block_size: tuple[int, int] = (128, 128),
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.weight_block_size = tuple(weight_block_size)
         self.pow2_scales = pow2_scales
         self.fp8_name = "weight"  # the weight's name in the model, set by `from_linear`: errors name the layer
         self._w_cache: tuple | None = None
         # Set by `trl_fp8.quant.siblings.FP8SiblingGroup` when this linear runs stacked with its siblings (q/k/v).
         self._siblings, self._sibling_index = None, 0
+        self.weight_block_size = weight_block_size
         self.backend = backend
 
     @classmethod
@@ -317,6 +317,20 @@ class FP8Linear(nn.Linear):
     @backend.setter
     def backend(self, name: str) -> None:
         self._backend_name = check_backend_name(name, self.fp8_name.removesuffix(".weight") or "FP8Linear")
+        self._forget_quantization()
+
+    @property
+    def weight_block_size(self) -> tuple[int, int]:
+        """Block of one weight scale; may be changed after a forward, as `backend` (stacked siblings need 128x128)."""
+        return self._weight_block_size
+
+    @weight_block_size.setter
+    def weight_block_size(self, block: tuple[int, int]) -> None:
+        self._weight_block_size = tuple(block)
+        self._forget_quantization()
+
+    def _forget_quantization(self) -> None:
+        # What was resolved or quantized under the old setting: `auto` resolves by block size.
         self._backends: dict[torch.device, object] = {}
         self._w_cache = None
         if self._siblings is not None:

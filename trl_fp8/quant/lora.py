@@ -122,7 +122,8 @@ class FP8LoraLinear(LoraLinear):
     def _fp8_key(self, adapters: list[str]) -> tuple:
         base = self.get_base_layer()
         w = base.weight
-        key = [weights_epoch(), base.backend, w._version, w.data_ptr(), w.dtype, w.device]
+        key = [weights_epoch(), base.backend, base.weight_block_size, base.pow2_scales, w._version, w.data_ptr()]
+        key += [w.dtype, w.device]
         for a in adapters:
             lora_a, lora_b = self.lora_A[a].weight, self.lora_B[a].weight
             key += [a, self.scaling[a], lora_a._version, lora_a.data_ptr(), lora_b._version, lora_b.data_ptr()]

@@ -107,7 +107,6 @@ class FP8SiblingGroup:
         # Weak references: the members hold the group, and a cycle would keep a deleted model's GPU memory until
         # Python's cycle collector happens to run.
         self._refs = [weakref.ref(m) for m in members]
-        self.pow2_scales = first.pow2_scales
         ends = list(itertools.accumulate(m.out_features for m in members))
         self.rows = list(zip([0, *ends[:-1]], ends, strict=True))
         self._cache: tuple | None = None
@@ -140,12 +139,22 @@ class FP8SiblingGroup:
         """Forgets the stacked weight and the pending outputs (a member's `.to()`: see `FP8Linear._apply`)."""
         self._cache = self._pending = None
 
+    @property
+    def pow2_scales(self) -> bool:
+        return self.members[0].pow2_scales
+
     def backend(self, device: torch.device):
+        """The members' backend on `device`; refuses members whose settings were changed apart after grouping."""
         members = self.members
-        if len({m.backend for m in members}) > 1:
-            chosen = ", ".join(f"{m.fp8_name}: {m.backend!r}" for m in members)
+        settings = [(m.backend, m.weight_block_size, m.pow2_scales) for m in members]
+        if len(set(settings)) > 1 or settings[0][1] != (128, 128):
+            chosen = ", ".join(
+                f"{m.fp8_name}: backend={b!r}, weight_block_size={k}, pow2_scales={p}"
+                for m, (b, k, p) in zip(members, settings, strict=True)
+            )
             raise ValueError(
-                f"stacked siblings run as one GEMM, on one backend; set the same backend on all: {chosen}"
+                "stacked siblings run as one GEMM: give them one backend, one pow2_scales and 128x128 weight blocks "
+                f"({chosen})"
             )
         return members[0]._backend_for(device)
 
