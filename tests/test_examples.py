@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from trl import ModelConfig, TrlParser
 
 from trl_fp8 import FP8GRPOConfig, convert_to_fp8
+from trl_fp8.demo.families import available
 from trl_fp8.demo.task import accuracy_reward
 
 
@@ -40,6 +41,10 @@ def script_commands(out: Path) -> dict[str, list[str]]:
             python, str(bench / "families.py"), "--bf16", "--steps", "2", "--families", "qwen3",
             "--output_dir", str(out / "families_bf16"),
         ],
+        "gemma4_mismatch": [
+            python, str(bench / "gemma4_mismatch.py"), "--bf16", "--steps", "2", "--variants", "sweep", "sweep_scaled",
+            "--output_dir", str(out / "gemma4_mismatch"),
+        ],
         # The GPU benchmark's plumbing, on tiny shapes (on CPU it times the emulated backend: the figures mean nothing).
         "gpu_bench": [python, str(bench / "gpu_bench.py"), "--smoke", "--output_dir", str(out / "gpu_bench")],
     }  # fmt: skip
@@ -51,6 +56,7 @@ SCRIPT_RUNS = {
     "test_mismatch_benchmark_quick": ["mismatch"],
     "test_lora_mismatch_benchmark_quick": ["lora_mismatch"],
     "test_families_benchmark_quick": ["families", "families_bf16"],
+    "test_gemma4_mismatch_falls_with_scaled_attention_scores": ["gemma4_mismatch"],
     "test_gpu_bench_smoke": ["gpu_bench"],
 }
 
@@ -303,6 +309,20 @@ def test_families_benchmark_quick(scripts):
     assert "bf16=True" in (bf16 / "families.md").read_text()
     errors = json.loads((bf16 / "families.json").read_text())["runs"]["qwen3"]["BF16/BF16"]["errors"]
     assert min(errors) > 1.0005, errors
+
+
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+def test_gemma4_mismatch_falls_with_scaled_attention_scores(scripts):
+    """The explanation RESULTS.md gives for Gemma 4's mismatch: its unscaled attention scores (a tiny random model's
+    softmax is then nearly one-hot); scaled by 1/sqrt(head_dim), both configurations fall (about 1.04 -> 1.02 in
+    FP8/FP8 and 1.014 -> 1.004 in BF16/BF16 over these two steps)."""
+    returncode, _, stderr, out = scripts("gemma4_mismatch")
+    assert returncode == 0, stderr[-4000:]
+    runs = json.loads((out / "gemma4_mismatch.json").read_text())["runs"]
+    for config in ("BF16/BF16", "FP8/FP8"):
+        mean = {v: sum(runs[v][config]) / len(runs[v][config]) for v in ("sweep", "sweep_scaled")}
+        assert mean["sweep_scaled"] - 1 < 0.7 * (mean["sweep"] - 1), (config, mean)
+    assert "| as in the sweep, scores scaled |" in (out / "gemma4_mismatch.md").read_text()
 
 
 def test_gpu_bench_smoke(scripts):

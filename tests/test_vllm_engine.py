@@ -546,8 +546,10 @@ def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     assert out["params"] > 0 and out["not_written"] == [], out["not_written"]
     assert out["in_place"]
     # Gemma 4's two steps measured 1.05-1.09 against vLLM 0.31 (BF16 through TRL's own engine: 1.01-1.02), the order
-    # the reference engine shows for it under bf16=True (benchmarks/RESULTS.md, "Model families"): the family most
-    # sensitive to FP8 rounding, not a wrong weight (every parameter is checked written above).
+    # the reference engine shows for it under bf16=True (benchmarks/RESULTS.md, "Model families"), not a wrong weight
+    # (every parameter is checked written above). Gemma 4 scores attention unscaled, and a random model's q/k norms
+    # leave the softmax nearly one-hot: scaled by 1/sqrt(head_dim), the reference engine's 1.029 falls to 1.005
+    # (`benchmarks/gemma4_mismatch.py`).
     bound = 1.15 if family == "gemma4" else 1.05
     assert out["errors"] and max(out["errors"]) < bound, out["errors"]
 
