@@ -22,7 +22,9 @@ from trl_fp8.quant.kv_cache import (
     _base_attention,
     _recording_queries,
     calibrate_kv_scales,
+    dequantize_kv,
     kv_scale_inv_from_amax,
+    kv_shared_sources,
     quantize_kv,
 )
 
@@ -323,16 +325,70 @@ def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
         )  # fmt: skip
 
 
+def tiny_gemma3n_kv_shared() -> torch.nn.Module:
+    """Gemma 3n (as gemma-3n-E2B: per-layer inputs, LAuReL, KV sharing) in 3 layers, the last reading layer 1's K/V."""
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=256, hidden_size_per_layer_input=128,
+        intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        laurel_rank=128, num_kv_shared_layers=1, activation_sparsity_pattern=[0.0] * 3, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "full_attention"], max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3nForCausalLM(config)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma3n"])
+def test_a_layer_reading_another_layers_kv_takes_that_layers_scales(monkeypatch, family):
+    """Gemma 4's and Gemma 3n's last `num_kv_shared_layers` layers attend over an earlier layer's K/V: they read its FP8
+    codes, so they take its K/V scales (vLLM dequantizes what a shared layer reads with the shared layer's own
+    `k_scale`, and a checkpoint carries them); their queries are their own. Calibration failed on them before ("the
+    forward stored K/V for layers [0, 1] of [0, 1, 2]"), and they were refused."""
+    from trl_fp8.quant import kv_cache
+
+    if family == "gemma4" and not available("gemma4"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    model = tiny("gemma4") if family == "gemma4" else tiny_gemma3n_kv_shared()
+    assert kv_shared_sources(model.config) == {2: 1}  # the last earlier full-attention layer
+    ids, mask = left_pad([[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13]], 0)
+    # Through the causal LM (FSDP2's path), whose last-logits forward runs the shared layers on the last positions
+    # only unless asked for more, as through its decoder: every token measured.
+    assert torch.equal(calibrate_kv_scales(model, ids, mask), calibrate_kv_scales(model.get_decoder(), ids, mask))
+    engine = ReferenceEngine(
+        model, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        eos_token_ids=[2], pad_token_id=0, max_completion_length=6,
+    )  # fmt: skip
+    engine.calibration_batch = (ids, mask)
+    engine.sync_weights()
+    attn = {a.layer_idx: a for a in (engine.sampler.get_submodule(n) for n in engine._attn_names)}
+    assert [attn[2].k_scale.item(), attn[2].v_scale.item()] == [attn[1].k_scale.item(), attn[1].v_scale.item()]
+    assert attn[2].q_scale.item() != attn[1].q_scale.item()
+    # What the shared layer attends over, in prefill and every decode step: its source's E4M3 codes.
+    read = []
+    base = kv_cache._base_attention
+
+    def spying(module):
+        def attend(module, query, key, value, *args, **kwargs):
+            if module.layer_idx == 2:
+                read.append((key, value))
+            return base(module)(module, query, key, value, *args, **kwargs)
+
+        return attend
+
+    monkeypatch.setattr(kv_cache, "_base_attention", spying)
+    engine.generate([[1, 5, 6, 7], [1, 11, 12]])
+    assert len(read) > 1
+    for key, value in read:
+        for x, s in ((key, attn[1].k_scale.item()), (value, attn[1].v_scale.item())):
+            assert torch.equal(dequantize_kv(quantize_kv(x, s), s, x.dtype), x)
+
+
 @pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
-def test_layers_reading_another_layers_kv_are_refused_by_name():
-    """Gemma 4's last `num_kv_shared_layers` layers attend over an earlier layer's K/V cache: their FP8 K/V would need
-    that layer's scales, and calibration found no K/V of their own to measure (it failed, naming the layers)."""
-    with pytest.raises(
-        ValueError, match=r"not supported for gemma4_text: its layers \[2\] \(the last num_kv_shared_layers=1\)"
-    ):
+def test_a_model_whose_layers_all_read_kv_stored_elsewhere_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"not supported for gemma4_text: its layers \[0, 1, 2\] \(of the last"):
         ReferenceEngine(
-            tiny("gemma4"), Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
-            eos_token_ids=[2], pad_token_id=0,
+            tiny("gemma4", num_kv_shared_layers=3), Accelerator(cpu=True), FP8Recipe(), fp8=True,
+            dtype=torch.float32, kv_cache=True, eos_token_ids=[2], pad_token_id=0,
         )  # fmt: skip
 
 
@@ -372,9 +428,7 @@ def test_every_family_decodes_through_the_fp8_kv_cache_as_it_reads_the_whole_seq
     if not available(family):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     torch.manual_seed(0)
-    # Gemma 4's layers that read another layer's K/V are refused with the FP8 KV cache (the test below); the rest
-    # of it (head_dim 64 in sliding layers, 512 in full ones, whose values are their keys) decodes here.
-    model = tiny(family, num_kv_shared_layers=0) if family == "gemma4" else tiny(family)
+    model = tiny(family)
     engine = ReferenceEngine(
         model, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
         eos_token_ids=[2], pad_token_id=0, max_completion_length=12,

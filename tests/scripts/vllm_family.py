@@ -35,6 +35,11 @@ def _held(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return held
 
 
+def _kv_scales(model: torch.nn.Module) -> dict[str, list[float]]:
+    """Each attention layer's K and V dequant multipliers as vLLM's kernels read them (`_k_scale`, `_v_scale`)."""
+    return {n: [float(m._k_scale), float(m._v_scale)] for n, m in model.named_modules() if hasattr(m, "_k_scale")}
+
+
 def _params(engine) -> dict[str, torch.Tensor]:
     return engine.llm.apply_model(_held)[0]
 
@@ -124,6 +129,7 @@ def main(family: str, output_dir: str) -> None:
         "params": len(synced),  # with the repacked linears' outputs
         "not_written": sorted(n for n, t in synced.items() if torch.equal(t, dummy[n])),
         "in_place": _storages(engine) == storages,
+        "kv_scales": engine.llm.apply_model(_kv_scales)[0] if args.fp8_kv_cache else {},
     }
     with open(os.path.join(output_dir, "result.json"), "w") as f:
         json.dump(result, f)

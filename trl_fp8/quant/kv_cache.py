@@ -49,12 +49,25 @@ def recurrent_layers(config) -> dict[int, LinearAttentionCacheLayerMixin]:
     return {i: layer for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
 
 
+def kv_shared_sources(config) -> dict[int, int]:
+    """For each layer that reads another layer's K/V instead of storing its own (Gemma 4's last
+    `num_kv_shared_layers`), the layer it reads: the last earlier layer of its attention type that stores K/V, as
+    transformers and vLLM pick it. Such a layer's K/V are that layer's FP8 codes, so it takes that layer's K/V scales."""
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return {}
+    types = list(config.layer_types)
+    first = len(types) - shared
+    producers = {t: i for i, t in enumerate(types[:first])}  # the last of each type wins
+    return {i: producers[types[i]] for i in range(first, len(types)) if types[i] in producers}
+
+
 def check_kv_cache_supported(model: torch.nn.Module) -> None:
     """Refuses models whose KV cache the FP8 KV cache here does not model: MLA (DeepSeek-V2/V3, Moonlight) caches a
     compressed latent in vLLM, not the K/V this calibrates, and vLLM finds no `self_attn.k_scale` to load there;
     attention modules named otherwise (GPT-NeoX's `attention`) leave vLLM no `self_attn.k_scale` either; a layer
-    that holds a recurrent state beside its K/V has no FP8 cache layer here; and layers that read another layer's K/V
-    (Gemma 4's `num_kv_shared_layers`) would need that layer's scales."""
+    that holds a recurrent state beside its K/V has no FP8 cache layer here; and layers that read K/V no layer of the
+    model stores (every layer KV-shared) have no scales to take."""
     config = model.config
     what = f"fp8_kv_cache=True is not supported for {getattr(config, 'model_type', type(model).__name__)}"
     if getattr(config, "kv_lora_rank", None):
@@ -67,12 +80,14 @@ def check_kv_cache_supported(model: torch.nn.Module) -> None:
             f"{what}: its attention modules are not named `self_attn`, where vLLM loads the K/V/Q scales "
             "(`model.layers.{i}.self_attn.k_scale`). Set fp8_kv_cache=False."
         )
-    if shared := getattr(config, "num_kv_shared_layers", 0):
-        layers = list(range(config.num_hidden_layers))[-shared:]
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared and len(kv_shared_sources(config)) < shared:
+        orphans = sorted(
+            set(range(config.num_hidden_layers - shared, config.num_hidden_layers)) - set(kv_shared_sources(config))
+        )
         raise ValueError(
-            f"{what}: its layers {layers} (the last num_kv_shared_layers={shared}) attend over the K/V cache "
-            "of earlier layers, which must then share those layers' K/V scales; trl-fp8 calibrates each layer's own. "
-            "Set fp8_kv_cache=False."
+            f"{what}: its layers {orphans} (of the last num_kv_shared_layers={shared}) read K/V that no layer of this "
+            "model stores, so there are no scales to give them. Set fp8_kv_cache=False."
         )
     both = [i for i, layer in recurrent_layers(config).items() if isinstance(layer, DynamicLayer)]
     if both:
@@ -257,6 +272,7 @@ def calibrate_kv_scales(
     dequant multipliers (after RoPE, as the cache and the attention kernel see them), from the padding-free tokens
     only. The forward runs in eval mode (the training modes are restored after)."""
     config = getattr(decoder, "config", None)
+    sources = kv_shared_sources(config) if config is not None else {}
     recorder = KVAmaxRecorder(config if config is not None and recurrent_layers(config) else None)
     # A measurement takes no dropout; and transformers < 5.24 drops the cache of a training model under gradient
     # checkpointing even without grad (TRL's default), which would leave nothing recorded.
@@ -267,10 +283,18 @@ def calibrate_kv_scales(
             kwargs = {CACHE_KWARG: recorder}
             if getattr(decoder, "get_output_embeddings", lambda: None)() is not None:
                 kwargs["logits_to_keep"] = 1
+                # With the last logits alone, Gemma 4 runs its KV-shared layers on the last positions only; asking
+                # for the hidden states keeps every position there, so their queries are measured on all tokens.
+                if sources:
+                    kwargs["output_hidden_states"] = True
             decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
     finally:
         for module, training in modes.items():
             module.training = training
+    # A layer that reads another layer's K/V stores none; its K/V are that layer's codes (`kv_shared_sources`).
+    for layer, source in sources.items():
+        if layer not in recorder.token_amax and source in recorder.token_amax:
+            recorder.token_amax[layer] = recorder.token_amax[source]
     if sorted(recorder.token_amax) != sorted(query_amax):
         raise RuntimeError(
             f"FP8 KV cache calibration: the forward stored K/V for layers {sorted(recorder.token_amax)} of "
