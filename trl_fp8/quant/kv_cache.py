@@ -50,8 +50,8 @@ def recurrent_layers(config) -> dict[int, LinearAttentionCacheLayerMixin]:
 
 
 def kv_shared_sources(config) -> dict[int, int]:
-    """For each layer that reads another layer's K/V instead of storing its own (Gemma 4's last
-    `num_kv_shared_layers`), the layer it reads: the last earlier layer of its attention type that stores K/V, as
+    """For each layer that reads another layer's K/V instead of storing its own (the last `num_kv_shared_layers` of
+    Gemma 4 and Gemma 3n), the layer it reads: the last earlier layer of its attention type that stores K/V, as
     transformers and vLLM pick it. Such a layer's K/V are that layer's FP8 codes, so it takes that layer's K/V scales."""
     shared = getattr(config, "num_kv_shared_layers", 0) or 0
     if not shared:
@@ -80,11 +80,9 @@ def check_kv_cache_supported(model: torch.nn.Module) -> None:
             f"{what}: its attention modules are not named `self_attn`, where vLLM loads the K/V/Q scales "
             "(`model.layers.{i}.self_attn.k_scale`). Set fp8_kv_cache=False."
         )
-    shared = getattr(config, "num_kv_shared_layers", 0) or 0
-    if shared and len(kv_shared_sources(config)) < shared:
-        orphans = sorted(
-            set(range(config.num_hidden_layers - shared, config.num_hidden_layers)) - set(kv_shared_sources(config))
-        )
+    shared, sources = getattr(config, "num_kv_shared_layers", 0) or 0, kv_shared_sources(config)
+    if len(sources) < shared:
+        orphans = sorted(set(range(config.num_hidden_layers - shared, config.num_hidden_layers)) - set(sources))
         raise ValueError(
             f"{what}: its layers {orphans} (of the last num_kv_shared_layers={shared}) read K/V that no layer of this "
             "model stores, so there are no scales to give them. Set fp8_kv_cache=False."
