@@ -8,6 +8,7 @@ import torch
 import transformers
 from accelerate import Accelerator
 from conftest import tiny_grpo_args
+from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -381,6 +382,26 @@ def test_a_layer_reading_another_layers_kv_takes_that_layers_scales(monkeypatch,
     for key, value in read:
         for x, s in ((key, attn[1].k_scale.item()), (value, attn[1].v_scale.item())):
             assert torch.equal(dequantize_kv(quantize_kv(x, s), s, x.dtype), x)
+
+
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+def test_gemma4_trains_with_the_fp8_kv_cache_and_its_checkpoint_gives_the_shared_layer_its_sources_scales(
+    tmp_path, demo_tokenizer
+):
+    """The trainer end to end, and the FP8 checkpoint vLLM serves with `kv_cache_dtype="fp8"`: Gemma 4's KV-shared
+    layer 2 carries layer 1's K and V scales and a Q scale of its own, as the sampler held them."""
+    trainer = FP8GRPOTrainer(
+        model=tiny("gemma4"), reward_funcs=accuracy_reward, train_dataset=make_dataset(8),
+        processing_class=demo_tokenizer,
+        args=tiny_grpo_args(tmp_path, max_steps=1, fp8_kv_cache=True, fp8_save_format="fp8"),
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(tmp_path / "fp8"))
+    saved = load_file(tmp_path / "fp8" / "model.safetensors")
+    scales = {(i, x): saved[f"model.layers.{i}.self_attn.{x}_scale"] for i in range(3) for x in "kvq"}
+    assert all(s > 0 for s in scales.values())
+    assert torch.equal(scales[2, "k"], scales[1, "k"]) and torch.equal(scales[2, "v"], scales[1, "v"])
+    assert not torch.equal(scales[2, "q"], scales[1, "q"])
 
 
 @pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
