@@ -444,3 +444,24 @@ def test_a_weight_block_size_set_after_a_forward_is_the_one_quantized():
     fresh = FP8Linear.from_linear(layer.to_linear(), backend="emulated", weight_block_size=(64, 128))
     with torch.no_grad():
         assert torch.equal(layer(x), fresh(x))
+
+
+@pytest.mark.parametrize("block", [(0, 128), (64,), 128, (64.0, 128), (64, 128, 1)])
+def test_a_bad_weight_block_size_is_refused_when_set_naming_the_layer(block):
+    """It was taken as given and failed at the next quantization, inside a training step."""
+    model = convert_to_fp8(
+        LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))), FP8Recipe(backend="emulated")
+    )
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.in_features)
+    with torch.no_grad():
+        before = layer(x)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: weight_block_size must be two"):
+        layer.weight_block_size = block
+    assert layer.weight_block_size == (128, 128)  # unchanged, and the layer runs as before
+    with torch.no_grad():
+        assert torch.equal(layer(x), before)
+    with pytest.raises(ValueError, match="FP8Linear: weight_block_size must be two positive ints"):
+        FP8Linear(16, 16, weight_block_size=block)
+    with pytest.raises(ValueError, match="FP8Linear: unknown FP8 backend 'fast'"):  # it used to say "weight: "
+        FP8Linear(16, 16, backend="fast")

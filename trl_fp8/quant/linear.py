@@ -316,7 +316,7 @@ class FP8Linear(nn.Linear):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        self._backend_name = check_backend_name(name, self.fp8_name.removesuffix(".weight") or "FP8Linear")
+        self._backend_name = check_backend_name(name, self._where())
         self._forget_quantization()
 
     @property
@@ -326,8 +326,16 @@ class FP8Linear(nn.Linear):
 
     @weight_block_size.setter
     def weight_block_size(self, block: tuple[int, int]) -> None:
-        self._weight_block_size = tuple(block)
+        # Checked here, not at the next quantization, where the error would surface inside a training step.
+        block = tuple(block) if isinstance(block, (tuple, list)) else (block,)
+        if len(block) != 2 or any(type(b) is not int or b < 1 for b in block):
+            raise ValueError(f"{self._where()}: weight_block_size must be two positive ints, got {block}")
+        self._weight_block_size = block
         self._forget_quantization()
+
+    def _where(self) -> str:
+        # The layer's name for errors: its weight's name without ".weight" (set by `from_linear`).
+        return self.fp8_name.removesuffix("weight").removesuffix(".") or "FP8Linear"
 
     def _forget_quantization(self) -> None:
         # What was resolved or quantized under the old setting: `auto` resolves by block size.
