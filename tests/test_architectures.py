@@ -28,6 +28,8 @@ KEPT = {
     "qwen3_5": SMALL,
     "qwen3_5_moe": SMALL,
     "qwen3_next": r"linear_attn.in_proj_ba \(64x256, not in whole 128x128 blocks\)",
+    # AltUp's router and coefficients (4x256, 16x4, 4x4 per layer), the list cut short in the middle.
+    "gemma3n": r"9 layer\(s\) .*altup\.correction.*altup\.modality_router \(4x256, not in whole 128x128 blocks\)",
     "gpt_oss": r"mlp.experts \(GptOssExperts: transposed weights, biases, gate and up interleaved\)",
 }
 

@@ -326,19 +326,6 @@ def test_the_reference_engine_refuses_an_fp8_kv_cache_for_latent_attention():
         )  # fmt: skip
 
 
-def tiny_gemma3n_kv_shared() -> torch.nn.Module:
-    """Gemma 3n (as gemma-3n-E2B: per-layer inputs, LAuReL, KV sharing) in 3 layers, the last reading layer 1's K/V."""
-    config = transformers.Gemma3nTextConfig(
-        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=256, hidden_size_per_layer_input=128,
-        intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        laurel_rank=128, num_kv_shared_layers=1, activation_sparsity_pattern=[0.0] * 3, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "full_attention"], max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Gemma3nForCausalLM(config)
-
-
 @pytest.mark.parametrize("family", ["gemma4", "gemma3n"])
 def test_a_layer_reading_another_layers_kv_takes_that_layers_scales(monkeypatch, family):
     """Gemma 4's and Gemma 3n's last `num_kv_shared_layers` layers attend over an earlier layer's K/V: they read its FP8
@@ -349,7 +336,7 @@ def test_a_layer_reading_another_layers_kv_takes_that_layers_scales(monkeypatch,
 
     if family == "gemma4" and not available("gemma4"):
         pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
-    model = tiny("gemma4") if family == "gemma4" else tiny_gemma3n_kv_shared()
+    model = tiny(family)
     assert kv_shared_sources(model.config) == {2: 1}  # the last earlier full-attention layer
     ids, mask = left_pad([[1, 5, 6, 7, 8, 9, 10], [1, 11, 12, 13]], 0)
     # Through the causal LM (FSDP2's path), whose last-logits forward runs the shared layers on the last positions

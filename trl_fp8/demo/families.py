@@ -19,6 +19,13 @@ GEMMA4 = dict(
     hidden_size_per_layer_input=128, vocab_size_per_layer_input=128, num_kv_shared_layers=1, use_double_wide_mlp=True,
     attention_k_eq_v=True,
 )  # fmt: skip
+# Gemma 3n (as gemma-3n-E2B: AltUp, LAuReL, per-layer inputs, KV sharing, the LM head tied to the embeddings, as
+# vLLM's class holds it) in 3 layers, the last reading layer 1's K/V.
+GEMMA3N = dict(
+    num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=16,
+    hidden_size_per_layer_input=128, vocab_size_per_layer_input=128, laurel_rank=128, num_kv_shared_layers=1,
+    activation_sparsity_pattern=[0.0] * 3, tie_word_embeddings=True,
+)  # fmt: skip
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID),
@@ -30,6 +37,7 @@ FAMILIES = {
     # Gemma 4's per-layer inputs, a last layer reading the K/V of the one before (its MLP double-wide, as in
     # gemma-4-E2B) and full-attention layers whose values are their keys (attention_k_eq_v, as in gemma-4-31B).
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", GEMMA3N),
     # OLMo 1.7 (OLMo-7B-0424, -0724) clips q, k and v in place at 8: `clamp_` on the q/k/v linears' outputs. No GQA,
     # as in OLMo, whose vLLM class has none.
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=8.0, num_key_value_heads=4)),
@@ -93,7 +101,14 @@ def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     fields = {k: v for k, v in (TINY | extra | overrides).items() if v is not UNSET}
     config = getattr(transformers, config_class)(**fields)
-    return getattr(transformers, model_class)(config)
+    model = getattr(transformers, model_class)(config)
+    # Gemma 3n initializes AltUp's output scale to zero, which silences its per-layer-input branch (no output, no
+    # gradient); trained checkpoints hold values around 1 there.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "correct_output_scale", None), torch.nn.Parameter):
+                module.correct_output_scale.fill_(1.0)
+    return model
 
 
 def varied_reward(completions: list[str], **kwargs) -> list[float]:
