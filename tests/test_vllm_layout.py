@@ -9,14 +9,15 @@ import math
 
 import pytest
 import torch
-from conftest import TP_READY, tiny_model
+from conftest import TP_READY, tiny_model, vllm_ready
 from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, dequantize_blockwise, iter_fp8_state
 from trl_fp8.demo.families import available, tiny
 from trl_fp8.demo.tiny_moe import MOONLIGHT_RECIPE, tiny_deepseek_v3, tiny_qwen3_moe
 from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs, stream_checkpoint_names
-from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears
+from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers, vllm_linears, with_nested_renames
+from trl_fp8.quant.checkpoint_names import checkpoint_module_names
 
 
 def _load_like_vllm(stream: dict, layer, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,3 +308,40 @@ def test_attention_rows_come_from_each_layers_own_config(tp_size):
     else:  # the tiny sliding layer's k, 64 rows per rank, is half a block
         with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj per rank is 64, not a multiple of 128"):
             check_vllm_fp8_layers(convert_to_fp8(model), FP8Recipe(), tp_size)
+
+
+# Gemma3nTextModel's `hf_to_vllm_mapper.orig_to_new_prefix` in vLLM 0.31's gemma3n.py (what
+# `vllm_nested_prefix_maps(["Gemma3nForCausalLM"])` reads there: tests/test_vllm_engine.py runs the family).
+GEMMA3N_TEXT_MODEL_PREFIXES = {
+    "embed_tokens.": "self_decoder.embed_tokens.",
+    "embed_tokens_per_layer.": "self_decoder.embed_tokens_per_layer.",
+    "per_layer_model_projection.": "self_decoder.per_layer_model_projection.",
+    "per_layer_projection_norm.": "self_decoder.per_layer_projection_norm.",
+    "altup_projections.": "self_decoder.altup_projections.",
+}
+
+
+@pytest.mark.skipif(not available("gemma3n"), reason="transformers has no Gemma 3n")
+def test_vllm_ignores_the_high_precision_layers_a_nested_model_moves():
+    """vLLM's Gemma 3n text model keeps its AltUp and per-layer-input projections under `self_decoder` and renames
+    `ignored_layers` with prefixes relative to itself, so the root names trl-fp8 gave it matched nothing: vLLM built
+    those layers in FP8 while the learner keeps them in high precision, and the first refit stopped ("vLLM did not
+    load 4 of its parameters ... altup_projections.0.weight_scale_inv"). Their `self_decoder` names are now ignored
+    too, beside every name as it was."""
+    model = tiny("gemma3n")
+    ignored = fp8_llm_kwargs(model, FP8Recipe())["hf_overrides"]["quantization_config"]["ignored_layers"]
+    kept = checkpoint_module_names(model, check_vllm_fp8_layers(model, FP8Recipe()), prefixes=False)
+    assert "model.altup_projections.0" in kept and "model.per_layer_model_projection" in kept
+    renamed = with_nested_renames(kept, [GEMMA3N_TEXT_MODEL_PREFIXES])
+    assert renamed[: len(kept)] == kept  # every name as it was, first
+    assert sorted(set(renamed) - set(kept)) == [
+        "model.self_decoder.altup_projections.0",
+        "model.self_decoder.altup_projections.1",
+        "model.self_decoder.altup_projections.2",
+        "model.self_decoder.per_layer_model_projection",
+    ]
+    assert with_nested_renames(kept, []) == kept
+    if not vllm_ready():  # without vLLM no nested model is read
+        assert ignored == kept
+    else:
+        assert set(renamed) <= set(ignored)

@@ -35,7 +35,7 @@ from ..quant.kv_cache import check_kv_cache_supported
 from .gather import learner_gather
 from .reference import refuse_reserved
 from .stream import LearnerStream, refuse_nonfinite
-from .vllm_layout import check_vllm_fp8_layers
+from .vllm_layout import check_vllm_fp8_layers, vllm_nested_prefix_maps, with_nested_renames
 from .vllm_refit import check_reload_complete, refit
 
 
@@ -175,6 +175,9 @@ def fp8_llm_kwargs(
     hf_overrides = dict(user_kwargs.pop("hf_overrides", None) or {})
     # vLLM names its modules as the checkpoint does (Mixtral's `block_sparse_moe`, not transformers' `mlp`).
     ignored = checkpoint_module_names(model, ignored, prefixes=False)
+    ignored = with_nested_renames(
+        ignored, vllm_nested_prefix_maps(getattr(model.config, "architectures", None) or [type(model).__name__])
+    )
     hf_overrides["quantization_config"] = vllm_quantization_config(recipe, ignored)
     kwargs = {**user_kwargs, "quantization": "fp8", "hf_overrides": hf_overrides, "load_format": "dummy"}
     if kv_cache:

@@ -201,3 +201,47 @@ def check_interleaved_qkv(model: nn.Module, fp8: set[str], block: tuple[int, int
             f"of the {block[0]}-row weight block, so the block scales cannot follow. Keep it in high precision: "
             "FP8Recipe(modules_to_not_convert=['attention.query_key_value'])."
         )
+
+
+def with_nested_renames(ignored: list[str], prefix_maps: list[dict[str, str | None]]) -> list[str]:
+    """`ignored` (vLLM's `ignored_layers`, named from the root) and, for each name, its renames by the prefix maps of
+    vLLM's nested quantized models. Such a model (`SupportsQuant`) renames `ignored_layers` with its own
+    `hf_to_vllm_mapper`, whose prefixes are relative to it, not to the root (Gemma 3n's text model moves its AltUp
+    and per-layer-input projections under `self_decoder`): no root name matches them, and vLLM would build those
+    layers in FP8 while the learner keeps them in high precision. The extra names of modules vLLM does not have are
+    never read."""
+    out = dict.fromkeys(ignored)
+    for name in ignored:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            outer, inner = ".".join(parts[:i]), ".".join(parts[i:]) + "."
+            for mapping in prefix_maps:
+                for old, new in mapping.items():
+                    if new is not None and inner.startswith(old):
+                        out[f"{outer}.{new}{inner[len(old) :]}".removesuffix(".")] = None
+    return list(out)
+
+
+def vllm_nested_prefix_maps(architectures: list[str]) -> list[dict[str, str | None]]:
+    """The `orig_to_new_prefix` maps of the nested quantized models (`SupportsQuant` classes other than the root) in
+    the vLLM modules serving `architectures`, read from vLLM itself (none for an architecture it does not list, or
+    without vLLM: `fp8_llm_kwargs` is also checked where vLLM is not installed)."""
+    import importlib
+    import inspect
+
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import SupportsQuant
+    except ImportError:
+        return []
+
+    maps = []
+    for arch in architectures:
+        entry = ModelRegistry.models.get(arch)
+        if getattr(entry, "module_name", None) is None:
+            continue
+        for name, cls in inspect.getmembers(importlib.import_module(entry.module_name), inspect.isclass):
+            mapper = getattr(cls, "hf_to_vllm_mapper", None)
+            if name != arch and issubclass(cls, SupportsQuant) and getattr(mapper, "orig_to_new_prefix", None):
+                maps.append(dict(mapper.orig_to_new_prefix))
+    return maps
