@@ -537,7 +537,7 @@ def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     vLLM's CPU build repacks, judged by their output on a fixed input; a shard left out of a fused parameter does not
     show here, tests/test_checkpoint_names.py holds the stream complete), later refits write in place, and the
     sampler's log-probs agree with the learner's to the bf16 rounding of two different programs (< 1.05; Gemma 4,
-    the family most sensitive to FP8 rounding: < 1.15). With a tied
+    the family most sensitive to FP8 rounding: < 1.15; Gemma 3n: < 1.10). With a tied
     `lm_head` (`qwen3:tied`), which the stream sends once, as the embedding, every refit's completeness check passes:
     the reload lays the two names out as separate tensors. With the FP8 KV cache (`qwen3_next:fp8_kv_cache`), vLLM
     quantizes the hybrid's attention layers' K/V with the Q/K/V scales calibrated beside its Gated DeltaNet layers'
@@ -557,8 +557,9 @@ def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     # the reference engine shows for it under bf16=True (benchmarks/RESULTS.md, "Model families"), not a wrong weight
     # (every parameter is checked written above). Gemma 4 scores attention unscaled, and a random model's q/k norms
     # leave the softmax nearly one-hot: scaled by 1/sqrt(head_dim), the reference engine's 1.029 falls to 1.005
-    # (`benchmarks/gemma4_mismatch.py`). Gemma 3n scores attention unscaled too (1.037-1.043 here).
-    bound = 1.15 if family.startswith(("gemma4", "gemma3n")) else 1.05
+    # (`benchmarks/gemma4_mismatch.py`). Gemma 3n scores attention unscaled too: 1.037-1.043 here, where Qwen3 measured
+    # 1.011-1.014 and Gemma 3 1.016-1.018 (the reference engine under bf16=True: 1.010, against 1.005 and 1.003).
+    bound = {"gemma4": 1.15, "gemma3n": 1.10}.get(family.partition(":")[0], 1.05)
     assert out["errors"] and max(out["errors"]) < bound, out["errors"]
     if family.endswith(":fp8_kv_cache"):  # vLLM's kernels read the synced K/V scales, none left at its 1.0
         kv = out["kv_scales"]
