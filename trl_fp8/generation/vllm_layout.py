@@ -208,8 +208,8 @@ def with_nested_renames(ignored: list[str], prefix_maps: list[dict[str, str | No
     vLLM's nested quantized models. Such a model (`SupportsQuant`) renames `ignored_layers` with its own
     `hf_to_vllm_mapper`, whose prefixes are relative to it, not to the root (Gemma 3n's text model moves its AltUp
     and per-layer-input projections under `self_decoder`): no root name matches them, and vLLM would build those
-    layers in FP8 while the learner keeps them in high precision. The extra names of modules vLLM does not have are
-    never read."""
+    layers in FP8 while the learner keeps them in high precision. Added names that name no vLLM module change
+    nothing."""
     out = dict.fromkeys(ignored)
     for name in ignored:
         parts = name.split(".")
