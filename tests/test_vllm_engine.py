@@ -518,6 +518,7 @@ VLLM_FAMILIES = (
     [
         *families(*VLLM_FAMILIES),
         pytest.param("qwen3:tied", id="qwen3_tied_lm_head"),
+        pytest.param("gemma3:multimodal", id="gemma3_multimodal"),
         *(
             pytest.param(
                 f"{family}:fp8_kv_cache",
@@ -544,9 +545,13 @@ def test_a_family_trains_with_colocated_vllm_in_fp8(tmp_path, family):
     recurrent state, and every refit loads them (the calibration failed with an IndexError before); with Gemma 4's
     (`gemma4:fp8_kv_cache`), its KV-shared layer dequantizes what it reads, in vLLM, with the scales of the layer
     that stored it (refused before), and Gemma 3n's likewise. Gemma 3n also holds vLLM to the learner's
-    high-precision layers where its text model moves them (`self_decoder`; `with_nested_renames`). Through vLLM's
-    Transformers backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner to running after vLLM patched its
-    decoder class in place; with Qwen3.5, its Gated DeltaNet projections go through vLLM's fusion (`in_proj_qkvz` in FP8, `in_proj_ba` in high precision)."""
+    high-precision layers where its text model moves them (`self_decoder`; `with_nested_renames`). Gemma 3 as
+    `AutoModelForCausalLM` loads its 4B and larger checkpoints (`gemma3:multimodal`: `Gemma3ForConditionalGeneration`,
+    text prompts) syncs its text decoder in FP8 under the multimodal names vLLM's class loads; its vision tower goes
+    in high precision, and vLLM, given no images (`limit_mm_per_prompt`), skips it. Through vLLM's Transformers
+    backend (OLMo 2, SmolLM3, Starcoder2) this also holds the learner to running after vLLM patched its decoder class
+    in place; with Qwen3.5, its Gated DeltaNet projections go through vLLM's fusion (`in_proj_qkvz` in FP8,
+    `in_proj_ba` in high precision)."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_family.py"), family, str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]

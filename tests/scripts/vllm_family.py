@@ -5,6 +5,7 @@ the block-FP8 kernels are stood in for as in tests/scripts/vllm_two_steps.py.
 
     python tests/scripts/vllm_family.py FAMILY OUTPUT_DIR      # FAMILY:tied ties its lm_head to its embeddings
                                                                # FAMILY:fp8_kv_cache samples with the FP8 KV cache
+                                                               # gemma3:multimodal: Gemma3ForConditionalGeneration
 """
 
 import importlib
@@ -97,25 +98,48 @@ def _stub_torchvision(output_dir: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [stub, os.environ.get("PYTHONPATH")]))
 
 
+def _multimodal(text_model: torch.nn.Module) -> torch.nn.Module:
+    """Gemma 3 (4B and up) as `AutoModelForCausalLM` loads it: `Gemma3ForConditionalGeneration`, the tiny text model's
+    config beside a tiny SigLIP vision tower (its linears stay in high precision: only the text decoder converts)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = text_model.config.to_dict()
+    vision = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)  # fmt: skip
+    ids = {k: text[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=100,
+                          eoi_token_index=101, image_token_index=102, **ids)  # fmt: skip
+    return Gemma3ForConditionalGeneration(config)
+
+
 def main(family: str, output_dir: str) -> None:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         _emulate_vllm_fp8_kernels_on_cpu()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if family.startswith("qwen3_5") and importlib.util.find_spec("torchvision") is None:
+        if family.startswith(("qwen3_5", "gemma3:multimodal")) and importlib.util.find_spec("torchvision") is None:
             _stub_torchvision(output_dir)
     family, _, option = family.partition(":")
     tied = option == "tied"
     model_dir = os.path.join(output_dir, family)
-    tiny(family, **({"tie_word_embeddings": True} if tied else {})).save_pretrained(model_dir)
+    policy = tiny(family, **({"tie_word_embeddings": True} if tied else {}))
+    if option == "multimodal":
+        policy = _multimodal(policy)
+    policy.save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).save_pretrained(model_dir)
+    # Text prompts to a multimodal class: vLLM builds its language model alone (no images, so no image processor,
+    # which TRL would otherwise load too); the stream still carries the vision tower, which vLLM's loader skips.
+    mm = {"limit_mm_per_prompt": {"image": 0}} if option == "multimodal" else {}
     args = FP8GRPOConfig(
         output_dir, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, bf16=True,
         use_cpu=not on_gpu, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, beta=0.04,
-        vllm_llm_kwargs={"enforce_eager": True}, fp8_kv_cache=option == "fp8_kv_cache",
+        vllm_llm_kwargs={"enforce_eager": True, **mm}, fp8_kv_cache=option == "fp8_kv_cache",
     )  # fmt: skip
-    trainer = FP8GRPOTrainer(model_dir, reward_funcs=varied_reward, args=args, train_dataset=make_dataset(64))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = FP8GRPOTrainer(model_dir, reward_funcs=varied_reward, args=args, train_dataset=make_dataset(64),
+                             processing_class=tokenizer)  # fmt: skip
     engine = trainer.vllm_generation
     dummy = _params(engine)  # `load_format="dummy"`: random values until the first refit
     trainer.train()
