@@ -4,9 +4,10 @@ distribution it sampled from. On the real tiny Llama and tokenizer, through the 
 
 import pytest
 import torch
-from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
+from conftest import digit_trainer, families, tiny_grpo_args, tiny_policy, train_and_check
 
 from trl_fp8 import FP8GRPOTrainer, FP8Recipe
+from trl_fp8.demo.families import tiny
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.generation.reference import ReferenceEngine
@@ -202,6 +203,28 @@ def test_the_engine_refits_only_when_the_learner_changed(tmp_path, demo_tokenize
     engine.sync_weights()
     assert engine.last_sync is not None
     assert torch.equal(engine.sampler.model.norm.weight, trainer.model.model.norm.weight)
+
+
+@pytest.mark.parametrize("family", families("gemma4"))
+def test_a_change_to_a_checkpoint_buffer_alone_is_sent(tmp_path, demo_tokenizer, family):
+    """Gemma 4's per-layer `layer_scalar` is a persistent buffer (a router's `e_score_correction_bias` is another): the
+    stream carries it, so changing it alone, with every parameter as it was, refits the sampler."""
+    trainer = FP8GRPOTrainer(
+        model=tiny(family),
+        reward_funcs=digit_reward,
+        args=tiny_grpo_args(tmp_path),
+        train_dataset=make_dataset(16),
+        processing_class=demo_tokenizer,
+    )
+    engine = trainer.vllm_generation
+    engine.sync_weights()
+    engine.last_sync = None
+    learner = trainer.model.model.layers[1]
+    with torch.no_grad():
+        learner.layer_scalar.mul_(0.5)
+    engine.sync_weights()
+    assert engine.last_sync is not None
+    assert torch.equal(engine.sampler.model.layers[1].layer_scalar, learner.layer_scalar)
 
 
 def test_completions_keep_their_stop_token(tmp_path, demo_tokenizer):

@@ -21,6 +21,17 @@ from ..quant.linear import weights_epoch
 from .gather import learner_gather
 
 
+def checkpoint_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The persistent buffers (the ones a checkpoint and the stream hold), read without building a state dict, which
+    a sharded learner would gather."""
+    return [
+        buf
+        for module in model.modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and name not in module._non_persistent_buffers_set
+    ]
+
+
 def refuse_nonfinite(pairs: list[tuple[str, torch.Tensor]]) -> None:
     """Raises a `ValueError` naming the tensors of a stream that hold NaN or inf, or a dequant multiplier (weight or
     Q/K/V scale) that is not positive, before any of it reaches an engine: the engine keeps its last good weights.
@@ -72,9 +83,16 @@ class LearnerStream:
         return unwrap_peft(self.accelerator.unwrap_model(self.model))
 
     def learner_changed(self) -> tuple | None:
-        """The learner's weight versions if they changed since the last sync (else `None`)."""
+        """The learner's weight versions if they changed since the last sync (else `None`): its parameters' and
+        those of the buffers the stream carries (a router's `e_score_correction_bias`), so that a change to either
+        alone is sent."""
         policy = self.learner()
-        versions = (weights_epoch(), adapter_state(policy), *(p._version for p in policy.parameters()))
+        versions = (
+            weights_epoch(),
+            adapter_state(policy),
+            *(p._version for p in policy.parameters()),
+            *(b._version for b in checkpoint_buffers(policy)),
+        )
         return None if versions == self._synced_versions else versions
 
     def state_stream(self) -> list[tuple[str, torch.Tensor]]:
