@@ -25,7 +25,7 @@ from trl_fp8.trainers.checkpoints import checkpoint_keys
 def test_recipe_round_trip(tmp_path):
     recipe = FP8Recipe(pow2_scales=True, num_last_layers_in_bf16=2, modules_to_not_convert=["mlp.down_proj"])
     path = recipe.save_pretrained(tmp_path)
-    data = json.loads(open(path).read())
+    data = json.loads(Path(path).read_text())
     assert data["trl_fp8_version"] and data["pow2_scales"] is True
     assert FP8Recipe.from_pretrained(tmp_path) == recipe
     assert FP8Recipe.from_any(str(tmp_path)) == recipe
