@@ -1,6 +1,7 @@
 """FP8GRPOTrainer as a drop-in GRPOTrainer: TRL's own test patterns, on a real tiny Llama, a real tokenizer and a
 real `datasets.Dataset`, all built in-process. The sampling engine's side of it: tests/test_reference_engine.py."""
 
+import logging
 import math
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.quant import FP8Linear, iter_fp8_state
-from trl_fp8.trainers.checks import check_fsdp_supported, check_not_quantized
+from trl_fp8.trainers.checks import check_fsdp_supported, check_not_quantized, warn_emulated_on_gpu
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
@@ -27,6 +28,29 @@ def test_train_loss_types(tmp_path, demo_tokenizer, loss_type):
         assert key in keys, key
     # The kernels the learner ran on are in the logs (on CPU, "auto" resolves to the emulated oracle).
     assert trainer.fp8_backend == "emulated" and "fp8/backend/emulated" in keys
+
+
+def test_a_gpu_left_to_the_emulated_oracle_is_warned_of(tmp_path, demo_tokenizer, caplog):
+    """`auto` on a GPU without FP8 GEMMs (Ampere, Ada) trains on `emulated`, slower than BF16: the start-up warning
+    says so and why each fast backend cannot run. No such GPU is here, so the check is given the CUDA device the
+    trainer would see (it reads only the device's type and what each backend says of it); on the CPU, the reference
+    path everywhere, and when `emulated` is asked for by name, nothing is warned of."""
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_emulated_on_gpu("emulated", FP8Recipe(), cuda)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "on cuda:0 runs on the 'emulated' backend" in message and "slower than BF16" in message
+    assert all(f"{name}: " in message for name in ("torch", "triton", "te"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_emulated_on_gpu("emulated", FP8Recipe(weight_block_size=(64, 128)), cuda)
+    assert "weight_block_size=[64, 128]: the fast GEMMs take 128x128 weight blocks only" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_fp8"):
+        warn_emulated_on_gpu("emulated", FP8Recipe(backend="emulated"), cuda)
+        warn_emulated_on_gpu("torch", FP8Recipe(), cuda)
+        trainer = digit_trainer(tmp_path, demo_tokenizer)
+    assert trainer.fp8_backend == "emulated" and "'emulated' backend" not in caplog.text
 
 
 def test_train_multiple_iterations(tmp_path, demo_tokenizer):

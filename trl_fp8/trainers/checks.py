@@ -11,8 +11,8 @@ from accelerate.utils import is_peft_model
 from packaging.version import Version
 from torch import nn
 
-from ..quant.backends import resolve_backend
-from ..quant.te_linear import te_recipe_status
+from ..quant.backends import BACKENDS, resolve_backend
+from ..quant.te_linear import te_recipe_status, te_status
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -166,6 +166,29 @@ def check_backend_runs_here(recipe, device: torch.device, sharded: bool = False)
             raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else f'training runs on {device}'}")
     elif recipe.backend != "auto":
         resolve_backend(recipe.backend, device)
+
+
+def warn_emulated_on_gpu(backend: str, recipe, device: torch.device) -> None:
+    """Warns when `backend="auto"` (or `"te"`, for the linears TE does not take) leaves FP8 training on a GPU to the
+    `emulated` oracle: the recipe's numerics, but dequantized fp32 matmuls, slower than BF16 training. A user who
+    switched trainers for speed on a GPU without FP8 GEMMs here (Ampere, Ada) would otherwise only find it in the
+    `fp8/backend/emulated` metric. Naming `emulated` yourself, or training on the CPU, warns of nothing."""
+    if backend != "emulated" or recipe.backend not in ("auto", "te") or device.type != "cuda":
+        return
+    if list(recipe.weight_block_size) != [128, 128]:
+        why = f"weight_block_size={list(recipe.weight_block_size)}: the fast GEMMs take 128x128 weight blocks only"
+    else:
+        statuses = {name: BACKENDS[name].is_available(device) for name in ("torch", "triton")} | {"te": te_status()}
+        why = "; ".join(f"{name}: {reason}" for name, (_, reason) in statuses.items())
+    logger.warning(
+        "trl-fp8: FP8 training on %s runs on the 'emulated' backend, as no fast FP8 GEMM runs here (%s). It keeps "
+        "the recipe's numerics but dequantizes to fp32 for every matmul, so steps are slower than BF16 training. "
+        "FP8 training is faster on Hopper (SM90) with torch >= 2.10 built for CUDA >= 12.9, or with "
+        "TransformerEngine. On this GPU, fp8_training=False keeps FP8 generation and trains in high precision "
+        "(NeMo RL's FP8-generation-only run scored below end-to-end FP8 and BF16).",
+        device,
+        why,
+    )
 
 
 # generation_kwargs keys that process the logits the sampler's log-probs are read from, with their neutral values.

@@ -33,6 +33,7 @@ from .checks import (
     check_peft_config,
     check_peft_targets,
     check_text_prompts,
+    warn_emulated_on_gpu,
     warn_truncated_sampling,
 )
 from .fp8_grpo_config import FP8GRPOConfig
@@ -175,6 +176,7 @@ class FP8GRPOTrainer(FP8Saving, MismatchMetrics, GRPOTrainer):
                         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
             self.fp8_backend = learner_backend(policy, recipe, self.accelerator.device)
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
+            warn_emulated_on_gpu(self.fp8_backend, recipe, self.accelerator.device)
 
         if args.use_vllm:
             return  # vLLM samples: block FP8 (FP8VLLMGeneration) or, with fp8_generation=False, TRL's BF16 engine
