@@ -106,13 +106,14 @@ def tiny_grpo_args(output_dir, **overrides):
     return FP8GRPOConfig(**kwargs)
 
 
-def digit_trainer(tmp_path, tokenizer, **args):
-    """A fresh tiny policy learning the digit-count reward on 16 prompts, with `tiny_grpo_args(tmp_path, **args)`."""
+def digit_trainer(tmp_path, tokenizer, model=None, **args):
+    """`model` (a fresh tiny policy if None) learning the digit-count reward on 16 prompts, with
+    `tiny_grpo_args(tmp_path, **args)`."""
     from trl_fp8 import FP8GRPOTrainer
     from trl_fp8.demo.task import digit_count_reward, make_dataset
 
     return FP8GRPOTrainer(
-        model=tiny_policy(tokenizer),
+        model=tiny_policy(tokenizer) if model is None else model,
         reward_funcs=digit_count_reward,
         args=tiny_grpo_args(tmp_path, **args),
         train_dataset=make_dataset(16),

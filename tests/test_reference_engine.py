@@ -209,13 +209,7 @@ def test_the_engine_refits_only_when_the_learner_changed(tmp_path, demo_tokenize
 def test_a_change_to_a_checkpoint_buffer_alone_is_sent(tmp_path, demo_tokenizer, family):
     """Gemma 4's per-layer `layer_scalar` is a persistent buffer (a router's `e_score_correction_bias` is another): the
     stream carries it, so changing it alone, with every parameter as it was, refits the sampler."""
-    trainer = FP8GRPOTrainer(
-        model=tiny(family),
-        reward_funcs=digit_reward,
-        args=tiny_grpo_args(tmp_path),
-        train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )
+    trainer = digit_trainer(tmp_path, demo_tokenizer, model=tiny(family))
     engine = trainer.vllm_generation
     engine.sync_weights()
     engine.last_sync = None

@@ -10,7 +10,7 @@ from trl.distributed import DistributedBackend
 
 from ..quant.adapters import adapter_state, unwrap_peft
 from ..quant.blockwise import FP8_DTYPE
-from ..quant.export import iter_fp8_state, iter_hp_state
+from ..quant.export import iter_fp8_state, iter_hp_state, persistent_buffers
 from ..quant.kv_cache import (
     KV_SCALE_SUFFIXES,
     attention_module_names,
@@ -19,17 +19,6 @@ from ..quant.kv_cache import (
 )
 from ..quant.linear import weights_epoch
 from .gather import learner_gather
-
-
-def checkpoint_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The persistent buffers (the ones a checkpoint and the stream hold), read without building a state dict, which
-    a sharded learner would gather."""
-    return [
-        buf
-        for module in model.modules()
-        for name, buf in module._buffers.items()
-        if buf is not None and name not in module._non_persistent_buffers_set
-    ]
 
 
 def refuse_nonfinite(pairs: list[tuple[str, torch.Tensor]]) -> None:
@@ -91,7 +80,7 @@ class LearnerStream:
             weights_epoch(),
             adapter_state(policy),
             *(p._version for p in policy.parameters()),
-            *(b._version for b in checkpoint_buffers(policy)),
+            *(b._version for _, b in persistent_buffers(policy)),  # a detached view shares the counter
         )
         return None if versions == self._synced_versions else versions
 

@@ -87,7 +87,7 @@ def iter_fp8_state(model: nn.Module, recipe=None, gather: Gather | None = None) 
         own = [n for n in own if n in as_they_are and n not in done]
         yield from _as_they_are(model, own, gather)
         done.update(own)
-    yield from _persistent_buffers(model)
+    yield from persistent_buffers(model)
 
 
 def _as_they_are(model: nn.Module, names: list[str], gather: Gather | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,11 +159,13 @@ def _adapted_pairs(prefix: str, layer, quantize: bool, recipe) -> Iterator[tuple
         yield f"{prefix}bias", layer.get_base_layer().bias.detach()
 
 
-def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    # Checkpoint buffers (e.g. DeepSeek-V3's router `e_score_correction_bias`), not the recomputed ones (RoPE).
-    persistent = set(model.state_dict().keys())
+def persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint buffers (e.g. a router's `e_score_correction_bias`), not the recomputed ones (RoPE), named as
+    `state_dict` names them. Read from each module's own table rather than from a state dict, which would gather a
+    sharded learner."""
     for name, buf in model.named_buffers():
-        if name in persistent:
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
             yield name, buf.detach()
 
 
@@ -190,7 +192,7 @@ def iter_hp_state(model: nn.Module, gather: Gather | None = None) -> Iterator[tu
     yield from _as_they_are(
         model, [n for n, _ in model.named_parameters() if not n.startswith(inside_adapted)], gather
     )
-    yield from _persistent_buffers(model)
+    yield from persistent_buffers(model)
 
 
 def _read_together(module: nn.Module) -> list[nn.Parameter]:

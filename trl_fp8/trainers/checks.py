@@ -11,8 +11,8 @@ from accelerate.utils import is_peft_model
 from packaging.version import Version
 from torch import nn
 
-from ..quant.backends import BACKENDS, resolve_backend
-from ..quant.te_linear import te_recipe_status, te_status
+from ..quant.backends import available_backends, resolve_backend
+from ..quant.te_linear import te_recipe_status
 from .fp8_grpo_config import FP8GRPOConfig
 
 
@@ -178,8 +178,9 @@ def warn_emulated_on_gpu(backend: str, recipe, device: torch.device) -> None:
     if list(recipe.weight_block_size) != [128, 128]:
         why = f"weight_block_size={list(recipe.weight_block_size)}: the fast GEMMs take 128x128 weight blocks only"
     else:
-        statuses = {name: BACKENDS[name].is_available(device) for name in ("torch", "triton")} | {"te": te_status()}
-        why = "; ".join(f"{name}: {reason}" for name, (_, reason) in statuses.items())
+        why = "; ".join(
+            f"{name}: {status}" for name, status in available_backends(device).items() if name != "emulated"
+        )
     logger.warning(
         "trl-fp8: FP8 training on %s runs on the 'emulated' backend, as no fast FP8 GEMM runs here (%s). It keeps "
         "the recipe's numerics but dequantizes to fp32 for every matmul, so steps are slower than BF16 training. "
