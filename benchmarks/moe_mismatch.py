@@ -6,6 +6,7 @@ For a tiny Qwen3-MoE and a tiny DeepSeek-V3-style model (4 experts, top-2, every
 GRPO steps in each configuration and prints the mean `sampling/token_mult_prob_error` and `fp8/router_mismatch`.
 """
 
+import argparse
 import tempfile
 
 import torch
@@ -21,6 +22,8 @@ CONFIGS = {"FP8 gen + BF16 train": dict(fp8_training=False), "FP8/FP8": dict(fp8
 
 
 def main():
+    # No options; a parser so that `--help` describes the run instead of starting it.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     tokenizer = build_tokenizer()

@@ -14,11 +14,11 @@ CPU demo (no GPU, no Hub; about a minute on 2 cores), from the repository root:
 It trains the shipped tiny Llama (`trl-fp8-demo`) on two-digit addition with an exact-match reward, logs reward and
 learner/sampler mismatch every step, and writes `<output_dir>/training_curves.png`.
 
-Real runs use the same script with a Hub model and dataset, e.g.
+Real runs use the same script with a GPU recipe (`recipes/`), whose model, dataset and rewards the command line can
+override, e.g. NeMo RL's Llama-3.1-8B math recipe on one node of 8 Hopper GPUs:
 
-    accelerate launch examples/grpo_fp8.py --config recipes/demo_cpu.yaml \
-        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name <dataset> \
-        --reward_funcs my_rewards.accuracy --use_cpu false --bf16 true
+    accelerate launch --config_file examples/accelerate_configs/zero2_8gpu.yaml examples/grpo_fp8.py \
+        --config recipes/llama31_8b_math_fp8.yaml --model_name_or_path Qwen/Qwen3-8B
 
 FP8 + LoRA takes TRL's `ModelConfig` flags, with dropout off (the adapters train on their merged FP8 weight):
 

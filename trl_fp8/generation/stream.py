@@ -133,12 +133,12 @@ class LearnerStream:
         ids, mask = (t.to(self.accelerator.device) for t in self.calibration_batch)
         # FSDP2 unshards the embeddings in its outermost module's forward, which must run first.
         model = self.model if self._fsdp2 else policy.get_decoder()
-        scales = calibrate_kv_scales(
+        scale_invs = calibrate_kv_scales(
             model, ids, mask, percentile=self.kv_scale_percentile, margin=self.kv_scale_margin
         )
         if self.accelerator.num_processes > 1:  # every rank's sampler must hold the same scales
-            scales = self.accelerator.reduce(scales.to(self.accelerator.device), reduction="max").cpu()
-        return scales
+            scale_invs = self.accelerator.reduce(scale_invs.to(self.accelerator.device), reduction="max").cpu()
+        return scale_invs
 
     def _maybe_calibrate(self) -> float:
         if self.kv_cache and (self.recalibrate or self._kv_scale_invs is None):

@@ -2,7 +2,8 @@
 
 One scale convention everywhere (TransformerEngine's): `scale` multiplies a high-precision tensor into FP8,
 `scale_inv = 1 / scale` dequantizes (`x ≈ q.float() * scale_inv`) and is what GEMMs and checkpoints carry
-(`weight_scale_inv`). A reciprocal is never called `scale`.
+(`weight_scale_inv`). A reciprocal is never called `scale`, except where others chose the name: vLLM's
+`k_scale` / `v_scale` / `q_scale` and `F.scaled_mm`'s `scale_a` / `scale_b` are dequant multipliers.
 """
 
 from .blockwise import FP8_DTYPE, FP8_MAX, dequantize_blockwise, quantize_blockwise, scale_from_amax

@@ -191,8 +191,8 @@ def _record_query(module, query, *args, **kwargs):
 
 def _fp8_query(module, query, *args, **kwargs):
     # As vLLM's `Attention.query_quant`: E4M3 with the layer's static scale, then attention on the dequantized values.
-    s = module.q_scale
-    q = (query.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s
+    scale_inv = module.q_scale  # vLLM's name for a dequant multiplier
+    q = (query.float() / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale_inv
     return _base_attention(module)(module, q.to(query.dtype), *args, **kwargs)
 
 
@@ -299,8 +299,8 @@ def calibrate_kv_scales(
             f"{sorted(query_amax)}; the model does not fill the cache it is given"
         )
     valid = attention_mask.bool()
-    scales = [
+    scale_invs = [
         [kv_scale_inv_from_amax(amax[valid], percentile, margin) for amax in (*recorder.token_amax[i], query_amax[i])]
         for i in sorted(recorder.token_amax)
     ]
-    return torch.tensor(scales, dtype=torch.float32)
+    return torch.tensor(scale_invs, dtype=torch.float32)

@@ -53,6 +53,11 @@ class FP8GRPOConfig(GRPOConfig):
             `"fp8"`, a block-FP8 checkpoint (the sampler's e4m3 weights + `weight_scale_inv`, with a
             `quantization_config` that vLLM and transformers' `FineGrainedFP8Config` read). Intermediate checkpoints
             (`save_steps`) always hold the master weights, so `resume_from_checkpoint` continues exactly.
+        fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
+            Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
+            `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch,
+            unless TRL computes the old log-probs anyway (`gradient_accumulation_steps` not a multiple of
+            `steps_per_generation * num_iterations`).
         vllm_llm_kwargs (`dict`, `str` or `None`, *optional*, defaults to `None`):
             Extra keyword arguments for `vllm.LLM(...)` when `use_vllm=True` (a JSON string from the command line),
             e.g. `{"enforce_eager": true, "max_num_batched_tokens": 8192}`. The keys the engine sets itself (model,
@@ -61,11 +66,6 @@ class FP8GRPOConfig(GRPOConfig):
             `vllm_mode="colocate"` is supported. Refused unless `use_vllm=True` and `fp8_generation=True`: with
             `fp8_generation=False` TRL's own BF16 vLLM engine samples (no `fp8/sync_*` metrics), configured by TRL's
             `vllm_*` fields.
-        fp8_mismatch_metrics (`bool`, *optional*, defaults to `True`):
-            Log `sampling/token_mult_prob_error`, `sampling/gen_kl` and `sampling/is_oob_ratio` every step. With
-            `vllm_importance_sampling_correction=False` this costs one extra no-grad forward per generation batch,
-            unless TRL computes the old log-probs anyway (`gradient_accumulation_steps` not a multiple of
-            `steps_per_generation * num_iterations`).
 
         > Parameters of [`trl.GRPOConfig`] whose defaults change
 
