@@ -309,3 +309,45 @@ def test_q_k_and_v_may_be_clamped_in_place_as_olmo_does(stacked, backend):
     assert all(torch.equal(o, r) for o, r in zip(outs, outs_ref, strict=True))
     assert torch.equal(dx, dx_ref)
     assert all(torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "alone"])
+def test_one_siblings_output_changed_in_place_leaves_the_others_saved_for_backward_valid(stacked):
+    """q scaled in place after k was saved for backward (by `k * k`): fine for separate linears, and so for stacked
+    siblings, whose outputs share one GEMM's memory but not a version counter. The gradients are those of scaling q
+    out of place, bit for bit."""
+    torch.manual_seed(0)
+    members = [FP8Linear.from_linear(nn.Linear(256, n), backend="emulated") for n in (256, 128, 128)]
+    if stacked:
+        FP8SiblingGroup(members)
+    x0 = torch.randn(3, 256)
+
+    def run(in_place: bool):
+        x = x0.clone().requires_grad_(True)
+        for m in members:
+            m.weight.grad = m.bias.grad = None
+        q, k, v = (m(x) for m in members)
+        loss = (k * k).sum()
+        q = q.mul_(0.5) if in_place else q * 0.5
+        (loss + q.square().sum() + v.sum()).backward()
+        return x.grad, [p.grad for m in members for p in (m.weight, m.bias)]
+
+    dx, grads = run(in_place=True)
+    dx_ref, grads_ref = run(in_place=False)
+    assert torch.equal(dx, dx_ref)
+    assert all(torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))
+
+
+def test_a_sibling_called_outside_the_autocast_its_siblings_ran_in_answers_in_its_own_dtype():
+    """q under bf16 autocast, then k outside it on the same input: k is computed anew in fp32, not handed q's pending
+    bf16 result."""
+    torch.manual_seed(0)
+    members = [FP8Linear.from_linear(nn.Linear(256, n), backend="emulated") for n in (256, 128)]
+    k_alone = copy.deepcopy(members[1])
+    FP8SiblingGroup(members)
+    x = torch.randn(3, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = members[0](x)
+    k = members[1](x)
+    assert q.dtype == torch.bfloat16
+    assert k.dtype == torch.float32 and torch.equal(k, k_alone(x))

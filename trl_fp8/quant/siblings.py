@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, as_output, autocast_input, is_sharded, version_of, weights_epoch
+from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, version_of, weights_epoch
 
 
 SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -64,8 +64,9 @@ class _FP8SiblingsFunction(torch.autograd.Function):
         ctx.has_bias = [b is not None for b in biases]
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         # One output per sibling, each its own tensor over its columns of Y (no copy): a model may modify one in
-        # place (OLMo's clip_qkv clamps q, k and v in turn), which views of one Y, sharing a version counter, forbid.
-        return tuple(as_output(y[..., r0:r1]) for r0, r1 in group.rows)
+        # place (OLMo's clip_qkv clamps q, k and v in turn), which views of one Y forbid, and so do detached ones
+        # (`as_output`): they share Y's version counter, so scaling q in place would void a k saved for backward.
+        return tuple(_own_tensor(y[..., r0:r1]) for r0, r1 in group.rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
@@ -86,6 +87,14 @@ class _FP8SiblingsFunction(torch.autograd.Function):
             if ctx.has_bias[i] and ctx.needs_input_grad[3 + n + i]:
                 dbs[i] = dy2d[:, r0:r1].sum(0)
         return dx, None, None, *dws, *dbs
+
+
+@torch.compiler.disable  # dynamo cannot trace `set_`; the FP8 linears break the graph anyway (README)
+def _own_tensor(v: torch.Tensor) -> torch.Tensor:
+    """`v`'s memory as a tensor of its own, with its own version counter and no autograd view history, copying
+    nothing."""
+    out = torch.empty(0, dtype=v.dtype, device=v.device)
+    return out.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
 
 
 class FP8SiblingGroup:
@@ -204,9 +213,11 @@ class FP8SiblingGroup:
     def forward(self, member: FP8Linear, x: torch.Tensor) -> torch.Tensor:
         """`member(x)`: the stacked GEMM's output for it, computed with its siblings' on the first of their calls."""
         i, p = member._sibling_index, self._pending
-        # Pending outputs fit only the very same input (and its version and requires_grad), grad mode and parameters
-        # (an optimizer step in between, or an in-place write to a weight or bias, makes them stale).
-        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x.requires_grad)
+        # Pending outputs fit only the very same input (and its version and requires_grad), grad and autocast mode
+        # and parameters (an optimizer step in between, or an in-place write to a weight or bias, makes them stale).
+        dev = x.device.type
+        autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev)
+        grad_mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), x.requires_grad, autocast)
         mode = (version_of(x), grad_mode, self._key())
         if p is not None and mode[0] is not None and p[0]() is x and p[1] == mode and i in p[2]:
             out = p[2].pop(i)
