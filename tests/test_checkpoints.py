@@ -16,7 +16,7 @@ from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
-from trl_fp8.quant import FP8Linear, dequantize_blockwise
+from trl_fp8.quant import FP8Linear, dequantize_blockwise, iter_fp8_state
 from trl_fp8.quant.export import save_fp8_checkpoint
 from trl_fp8.recipe import RECIPE_NAME
 from trl_fp8.trainers.checkpoints import checkpoint_keys
@@ -332,6 +332,12 @@ def test_load_best_model_at_end_restores_a_moes_experts(tmp_path, demo_tokenizer
     )
     for name, t in trainer.model.state_dict().items():
         assert torch.equal(t, best[name]), f"{name} is not the best checkpoint's"
+    # And so does the sampler, at the next generation: loading changed the weights but not `global_step`, by which
+    # TRL decides to refit.
+    trainer.evaluate()
+    held = trainer.vllm_generation.sampler.state_dict()
+    stale = [n for n, t in iter_fp8_state(trainer.model) if not torch.equal(held[n], t.to(held[n].dtype))]
+    assert not stale, f"the sampler still holds the last step's {stale[:3]}"
 
 
 @pytest.mark.parametrize(

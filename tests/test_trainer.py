@@ -11,7 +11,7 @@ from conftest import digit_trainer, tiny_grpo_args, tiny_policy, train_and_check
 from datasets import Dataset
 from peft import LoraConfig
 
-from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
+from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe, convert_to_fp8
 from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.quant import FP8Linear, iter_fp8_state
@@ -513,6 +513,39 @@ def test_rollout_func_samples_with_the_learners_current_fp8_weights(tmp_path, de
     # The learner scores the rollout's tokens on the sampler's own FP8 grid: log-probs that were not the engine's
     # (or were sampled on stale weights) would show here.
     assert all(log["fp8/sync_bytes"] > 0 and 1.0 <= log["sampling/token_mult_prob_error"] < 1.01 for log in steps)
+
+
+def test_a_rollout_func_without_the_samplers_logprobs_is_refused_by_name(tmp_path, demo_tokenizer, monkeypatch):
+    """The correction needs the sampler's log-probs; a rollout without them is told so (TRL itself, which skips the
+    correction without vLLM, would fail on them with a bare TypeError), and runs with the correction off."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    def rollout(prompts, trainer):
+        prompt_ids = [trainer.processing_class(p)["input_ids"] for p in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": [[5, 6, 2]] * len(prompts), "logprobs": None}
+
+    def build(**args):
+        return FP8GRPOTrainer(
+            model=tiny_policy(demo_tokenizer),
+            reward_funcs=digit_reward,
+            args=tiny_grpo_args(tmp_path, max_steps=1, **args),
+            train_dataset=make_dataset(16),
+            processing_class=demo_tokenizer,
+            rollout_func=rollout,
+        )
+
+    with pytest.raises(ValueError, match=r"rollout_func returned no 'logprobs'.*vllm_importance_sampling_correction"):
+        build().train()
+    assert build(vllm_importance_sampling_correction=False).train().global_step == 1
+
+
+def test_a_model_converted_before_is_refused_when_fp8_training_is_off(tmp_path, demo_tokenizer):
+    """A second trainer on the model object an earlier one converted (a notebook's rerun) would go on training in FP8
+    under `fp8_training=False`: refused, saying what to pass."""
+    model = convert_to_fp8(tiny_policy(demo_tokenizer), FP8Recipe())
+    with pytest.raises(ValueError, match=r"fp8_training=False, but the model given was already converted to FP8"):
+        digit_trainer(tmp_path, demo_tokenizer, model=model, fp8_training=False)
+    assert digit_trainer(tmp_path, demo_tokenizer, model=model).fp8_backend == "emulated"  # with it on: as before
 
 
 def test_a_recipe_that_converts_nothing_says_so_from_the_users_line(tmp_path, demo_tokenizer):

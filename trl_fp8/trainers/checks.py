@@ -11,6 +11,7 @@ from accelerate.utils import is_peft_model
 from packaging.version import Version
 from torch import nn
 
+from ..quant.adapters import unwrap_peft
 from ..quant.backends import available_backends, resolve_backend
 from ..quant.te_linear import te_recipe_status
 from .fp8_grpo_config import FP8GRPOConfig
@@ -320,3 +321,15 @@ def check_not_quantized(model, quantization_config, args: FP8GRPOConfig) -> None
         "checkpoint loads in bf16 with FineGrainedFP8Config(dequantize=True)); or set fp8_training=False and "
         "fp8_generation=False."
     )
+
+
+def check_not_converted(model, args: FP8GRPOConfig) -> None:
+    """Refuses a policy an earlier trainer (or `convert_to_fp8`) already converted when `fp8_training=False`: its
+    linears would go on training in FP8 while the run says otherwise (nothing converts them back)."""
+    policy = unwrap_peft(model) if isinstance(model, nn.Module) else None
+    if not args.fp8_training and getattr(policy, "fp8_recipe", None) is not None:
+        raise ValueError(
+            f"fp8_training=False, but the model given was already converted to FP8 ({policy.fp8_recipe}) and its "
+            "linears would train in FP8: pass a fresh, unconverted model (e.g. load it again), or set "
+            "fp8_training=True."
+        )

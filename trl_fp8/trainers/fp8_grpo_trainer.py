@@ -2,7 +2,7 @@ import inspect
 import logging
 import warnings
 from contextlib import contextmanager
-from functools import partial
+from functools import partial, wraps
 
 import torch
 import trl.trainer.grpo_trainer as trl_grpo
@@ -29,6 +29,7 @@ from .checks import (
     check_backend_runs_here,
     check_fp8_architecture,
     check_fsdp_supported,
+    check_not_converted,
     check_not_quantized,
     check_peft_config,
     check_peft_targets,
@@ -112,6 +113,7 @@ class FP8GRPOTrainer(FP8Saving, MismatchMetrics, GRPOTrainer):
         if not isinstance(model, str) and is_peft_model(model):
             check_peft_supported(model, allow_dropout=not args.fp8_training)
         check_not_quantized(model, kwargs.get("quantization_config"), args)
+        check_not_converted(model, args)
         check_text_prompts(args, train_dataset=kwargs.get("train_dataset"), eval_dataset=kwargs.get("eval_dataset"))
         lora = kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
         fsdp_version = check_fsdp_supported(args, lora=lora)
@@ -178,6 +180,8 @@ class FP8GRPOTrainer(FP8Saving, MismatchMetrics, GRPOTrainer):
             logger.info("trl-fp8: the learner's FP8 linears run on the %r backend", self.fp8_backend)
             warn_emulated_on_gpu(self.fp8_backend, recipe, self.accelerator.device)
 
+        if self.rollout_func is not None and self.vllm_importance_sampling_correction:
+            self.rollout_func = _with_sampler_logprobs(self.rollout_func)
         if args.use_vllm:
             return  # vLLM samples: block FP8 (FP8VLLMGeneration) or, with fp8_generation=False, TRL's BF16 engine
         if args.bf16:
@@ -244,10 +248,12 @@ class FP8GRPOTrainer(FP8Saving, MismatchMetrics, GRPOTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if not self._loaded_in_original_layout(resume_from_checkpoint, "resume_from_checkpoint", model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._last_loaded_step = -1  # new weights at the same `global_step`: TRL's refit check would not see them
 
     def _load_best_model(self) -> None:
         if not self._loaded_in_original_layout(self.state.best_model_checkpoint, "load_best_model_at_end"):
             super()._load_best_model()
+        self._last_loaded_step = -1  # the next generation (an evaluation) samples with the best weights too
 
     def _loaded_in_original_layout(self, checkpoint: str, caller: str, model: nn.Module | None = None) -> bool:
         # A checkpoint save_pretrained wrote in the original key layout (MoE experts, one by one) would be read back
@@ -317,6 +323,26 @@ def _by_name(model, reward_funcs, args, more: tuple, kwargs: dict) -> dict:
     one raises Python's own `TypeError`)."""
     bound = inspect.signature(GRPOTrainer.__init__).bind(None, model, reward_funcs, args, *more, **kwargs).arguments
     return dict(list(bound.items())[4:])
+
+
+def _with_sampler_logprobs(rollout_func):
+    """`rollout_func`, refusing an output without the sampler's log-probs by name: the sampler's log-probs are what
+    the importance-sampling correction compares the learner's with (TRL would fail on them with a bare TypeError)."""
+
+    @wraps(rollout_func)
+    def rollout(prompts, trainer):
+        output = rollout_func(prompts, trainer)
+        logprobs = output.get("logprobs", ()) if isinstance(output, dict) else ()
+        if logprobs is None or any(row is None for row in logprobs):
+            raise ValueError(
+                "rollout_func returned no 'logprobs': FP8GRPOTrainer corrects the mismatch between the FP8 sampler "
+                "and the learner with the sampler's log-probs (vllm_importance_sampling_correction=True). Return "
+                "those of the engine that sampled (trainer.vllm_generation.generate(...) returns them), or set "
+                "vllm_importance_sampling_correction=False."
+            )
+        return output
+
+    return rollout
 
 
 @contextmanager
