@@ -16,7 +16,8 @@ from trl_fp8.demo.families import FAMILIES, LAYERS_ONLY, tiny, varied_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.generation.vllm_fp8 import fp8_llm_kwargs
 from trl_fp8.quant import dequantize_blockwise, fp8_modules
-from trl_fp8.quant.export import save_fp8_checkpoint, stream_checkpoint_names
+from trl_fp8.quant.export import stream_checkpoint_names
+from trl_fp8.quant.fp8_checkpoint import save_fp8_checkpoint
 from trl_fp8.quant.moe import FP8Experts
 
 

@@ -17,7 +17,7 @@ from trl_fp8.demo.task import digit_count_reward as digit_reward
 from trl_fp8.demo.task import make_dataset
 from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
 from trl_fp8.quant import FP8Linear, dequantize_blockwise, iter_fp8_state
-from trl_fp8.quant.export import save_fp8_checkpoint
+from trl_fp8.quant.fp8_checkpoint import save_fp8_checkpoint
 from trl_fp8.recipe import RECIPE_NAME
 from trl_fp8.trainers.checkpoints import checkpoint_keys
 
@@ -153,6 +153,67 @@ def test_a_checkpoint_is_described_by_the_recipe_its_weights_were_quantized_with
     with pytest.raises(ValueError, match=r"converted with FP8Recipe\(weight_block_size=\[128, 128\].*not with the"):
         save_fp8_checkpoint(model, str(tmp_path), FP8Recipe(weight_block_size=[64, 128]))
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_recipe_describing_the_same_weights_is_taken_in_any_form(tmp_path, tiny_llama):
+    """Another backend (the kernels, not the weights) and a recipe given as a dict, as `iter_fp8_state` takes it."""
+    model = convert_to_fp8(tiny_llama, FP8Recipe(backend="emulated"))
+    save_fp8_checkpoint(model, str(tmp_path / "a"), FP8Recipe(fuse_siblings=False))
+    save_fp8_checkpoint(model, str(tmp_path / "b"), {"backend": "emulated"})
+    assert (
+        load_file(tmp_path / "a" / "model.safetensors").keys()
+        == load_file(tmp_path / "b" / "model.safetensors").keys()
+    )
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_a_failed_save_leaves_the_earlier_checkpoint_as_it_was(tmp_path, tiny_llama, monkeypatch):
+    """The files are written aside and moved in only once all exist: a save that fails at its second shard (a full
+    disk) leaves the folder's earlier checkpoint byte for byte, and a new folder is not left half-written."""
+    import trl_fp8.quant.fp8_checkpoint as fp8_checkpoint
+
+    model = convert_to_fp8(tiny_llama, FP8Recipe())
+    save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe())
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    writes = itertools.count()
+    real_save_file = fp8_checkpoint.save_file
+
+    def full_disk(*args, **kwargs):
+        if next(writes) == 1:
+            raise OSError(28, "No space left on device")
+        real_save_file(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_checkpoint, "save_file", full_disk)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # other weights than the saved ones
+    with pytest.raises(OSError, match="No space left"):
+        save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe(), max_shard_size="400KB")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    writes = itertools.count()
+    with pytest.raises(OSError, match="No space left"):
+        save_fp8_checkpoint(model, str(tmp_path / "new"), FP8Recipe(), max_shard_size="400KB")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_checkpoint_with_non_finite_tensors_or_misnamed_kv_scales_is_refused_before_writing(tmp_path, tiny_llama):
+    """What the sync refuses, the save refuses too, naming the tensor: NaN in a high-precision tensor (FP8 weights are
+    checked where quantized), and Q/K/V scales that are not positive, not named as vLLM loads them, or that would
+    overwrite a weight."""
+    model = convert_to_fp8(tiny_llama, FP8Recipe())
+    k_scale = "model.layers.0.self_attn.k_scale"
+    cases = [
+        ([("model.norm.weight", torch.ones(256))], r"kv_scales: model\.norm\.weight \(\(256,\)\) is not one Q/K/V"),
+        ([(k_scale, torch.tensor(1.0))] * 2, rf"kv_scales: {k_scale} is already in the checkpoint"),
+        ([(k_scale, torch.tensor(0.0))], rf"NaN, inf or non-positive scales in \['{k_scale}'\]; nothing was written"),
+    ]
+    for kv_scales, match in cases:
+        with pytest.raises(ValueError, match=match):
+            save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe(), kv_scales=kv_scales)
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight[3] = float("nan")
+    with pytest.raises(ValueError, match=r"in \['model\.layers\.1\.input_layernorm\.weight'\]; nothing was written"):
+        save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe())
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_a_large_fp8_checkpoint_is_written_in_shards_that_replace_an_earlier_save(tmp_path, tiny_llama):

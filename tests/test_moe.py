@@ -18,7 +18,8 @@ from trl_fp8.demo.tiny_moe import tiny_qwen3_moe as qwen3_moe
 from trl_fp8.generation import build_sampler_model
 from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import FP8Linear, dequantize_blockwise, iter_fp8_state, quantize_blockwise
-from trl_fp8.quant.export import load_state_stream, save_fp8_checkpoint
+from trl_fp8.quant.export import load_state_stream
+from trl_fp8.quant.fp8_checkpoint import save_fp8_checkpoint
 from trl_fp8.quant.moe import FP8Experts, W8A8Experts, capture_routing
 
 

@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear
 from trl_fp8.quant.backends import emulated, torch_scaled_mm
-from trl_fp8.quant.export import iter_fp8_state, save_fp8_checkpoint
+from trl_fp8.quant.export import iter_fp8_state
+from trl_fp8.quant.fp8_checkpoint import save_fp8_checkpoint
 from trl_fp8.quant.siblings import FP8SiblingGroup
 
 

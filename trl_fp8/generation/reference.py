@@ -21,11 +21,11 @@ from transformers.modeling_utils import set_zero3_state  # "zero.Init already ru
 from trl.trainer.utils import pad
 
 from ..quant.convert import select_fp8_experts, select_fp8_linears
-from ..quant.export import load_state_stream, stream_nbytes
+from ..quant.export import load_state_stream, refuse_nonfinite, stream_nbytes
 from ..quant.kv_cache import CACHE_KWARG, FP8_QUERY_ATTENTION, KV_SCALE_SUFFIXES, FP8KVCache, set_attention
 from ..quant.moe import W8A8Experts
 from ..quant.w8a8 import W8A8Linear
-from .stream import LearnerStream, refuse_nonfinite
+from .stream import LearnerStream
 
 
 def build_sampler_model(

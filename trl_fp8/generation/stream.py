@@ -9,41 +9,14 @@ from torch import nn
 from trl.distributed import DistributedBackend
 
 from ..quant.adapters import adapter_state, unwrap_peft
-from ..quant.blockwise import FP8_DTYPE
 from ..quant.export import iter_fp8_state, iter_hp_state, persistent_buffers
 from ..quant.kv_cache import (
-    KV_SCALE_SUFFIXES,
     attention_module_names,
     calibrate_kv_scales,
     check_kv_cache_supported,
 )
 from ..quant.linear import weights_epoch
 from .gather import learner_gather
-
-
-def refuse_nonfinite(pairs: list[tuple[str, torch.Tensor]]) -> None:
-    """Raises a `ValueError` naming the tensors of a stream that hold NaN or inf, or a dequant multiplier (weight or
-    Q/K/V scale) that is not positive, before any of it reaches an engine: the engine keeps its last good weights.
-
-    FP8 weights are checked where they are quantized (`quantized_weight()`); this covers the rest (embeddings, norms,
-    `lm_head`, biases, layers kept in high precision) and the scales. One host sync for the whole stream.
-    """
-    checks = []
-    for name, t in pairs:
-        if name.endswith(("_scale_inv", *KV_SCALE_SUFFIXES)):  # vLLM would take a non-positive KV scale for 1.0
-            checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
-        elif t.is_floating_point() and t.dtype != FP8_DTYPE:
-            checks.append((name, torch.isfinite(t).all()))
-    if not checks:
-        return
-    ok = torch.stack([c.to(checks[0][1].device) for _, c in checks]).cpu()
-    if not bool(ok.all()):
-        bad = [name for (name, _), good in zip(checks, ok.tolist(), strict=True) if not good]
-        raise ValueError(
-            f"the sync stream holds NaN, inf or non-positive scales in {bad[:5]}"
-            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            + "; nothing was loaded, the sampler keeps its last weights"
-        )
 
 
 class LearnerStream:

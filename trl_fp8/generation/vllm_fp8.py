@@ -30,11 +30,11 @@ from packaging.version import Version
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 
 from ..quant.checkpoint_names import checkpoint_module_names
-from ..quant.export import stream_checkpoint_names, stream_nbytes
+from ..quant.export import refuse_nonfinite, stream_checkpoint_names, stream_nbytes
 from ..quant.kv_cache import check_kv_cache_supported
 from .gather import learner_gather
 from .reference import refuse_reserved
-from .stream import LearnerStream, refuse_nonfinite
+from .stream import LearnerStream
 from .vllm_layout import check_vllm_fp8_layers, vllm_nested_prefix_maps, with_nested_renames
 from .vllm_refit import check_reload_complete, refit
 

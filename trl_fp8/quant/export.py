@@ -14,24 +14,18 @@ the recipe selects are then quantized here, with the recipe's rule.
 """
 
 import contextlib
-import copy
-import fnmatch
 import itertools
-import json
-import os
-import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .adapters import effective_weight, fp8_weight, lora_layers
-from .blockwise import quantize_blockwise
-from .checkpoint_names import CheckpointNames, checkpoint_module_names
+from .blockwise import FP8_DTYPE, quantize_blockwise
+from .checkpoint_names import CheckpointNames
 from .convert import is_router, named_linears, select_fp8_experts, select_fp8_linears
+from .kv_cache import KV_SCALE_SUFFIXES
 from .linear import FP8Linear
 from .moe import FP8Experts, is_fused_experts, iter_expert_pairs
 from .te_linear import is_te_linear
@@ -265,7 +259,6 @@ def load_state_stream(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
 # Fused already on the Hugging Face side (Phi-3, Phi-4-mini): vLLM looks these up by their parts' names (q_proj,
 # k_proj, v_proj; gate_proj, up_proj), in `is_layer_skipped` as in its TP layout.
 PRE_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-_EXPERT_LINEAR_RE = re.compile(r"^(.*\.experts)\.\d+\.(?:gate|up|down)_proj$")
 
 
 def high_precision_modules(model: nn.Module, fp8: set[str]) -> list[str]:
@@ -304,94 +297,28 @@ def stream_checkpoint_names(
     return CheckpointNames(model, stream, prefixes)
 
 
-# The files of a model folder that a block-FP8 checkpoint replaces: another save's weights (sharded, or `.bin`) or a
-# PEFT adapter. Left beside `model.safetensors`, transformers would load the adapter on top of the merged FP8 weights
-# (or the adapter's base model instead of them) and vLLM would read the shards an index names.
-REPLACED_FILES = (
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "model.safetensors.index.json",
-    "model-*-of-*.safetensors",
-    "pytorch_model*.bin",
-    "pytorch_model.bin.index.json",
-)
+def refuse_nonfinite(
+    pairs: list[tuple[str, torch.Tensor]], outcome: str = "nothing was loaded, the sampler keeps its last weights"
+) -> None:
+    """Raises a `ValueError` naming the tensors of a stream that hold NaN or inf, or a dequant multiplier (weight or
+    Q/K/V scale) that is not positive, before any of it reaches an engine or a file; `outcome` says what was spared.
 
-
-def _remove_replaced_files(save_directory: str, patterns: tuple[str, ...]) -> None:
-    replaced = sorted(
-        name
-        for name in os.listdir(save_directory)
-        if os.path.isfile(os.path.join(save_directory, name))
-        and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
-    )
-    if replaced:
-        warnings.warn(
-            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a PEFT "
-            "adapter); removed, as the FP8 checkpoint written there replaces them",
-            stacklevel=3,
+    FP8 weights are checked where they are quantized (`quantized_weight()`); this covers the rest (embeddings, norms,
+    `lm_head`, biases, layers kept in high precision) and the scales. One host sync for the whole stream.
+    """
+    checks = []
+    for name, t in pairs:
+        if name.endswith(("_scale_inv", *KV_SCALE_SUFFIXES)):  # vLLM would take a non-positive KV scale for 1.0
+            checks.append((name, torch.isfinite(t).all() & (t > 0).all()))
+        elif t.is_floating_point() and t.dtype != FP8_DTYPE:
+            checks.append((name, torch.isfinite(t).all()))
+    if not checks:
+        return
+    ok = torch.stack([c.to(checks[0][1].device) for _, c in checks]).cpu()
+    if not bool(ok.all()):
+        bad = [name for (name, _), good in zip(checks, ok.tolist(), strict=True) if not good]
+        raise ValueError(
+            f"the FP8 state stream holds NaN, inf or non-positive scales in {bad[:5]}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            + f"; {outcome}"
         )
-    for name in replaced:
-        os.remove(os.path.join(save_directory, name))
-
-
-def _write_shards(tensors: dict[str, torch.Tensor], save_directory: str, max_shard_size: int | str) -> None:
-    """`model.safetensors`, or shards of at most `max_shard_size` and their index, as `save_pretrained` names them (the
-    Hub takes no file above 50 GB); one shard at a time in CPU memory. A folder's earlier single file or shards, which
-    loaders would take instead, are removed first."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    _remove_replaced_files(save_directory, REPLACED_FILES + (("model.safetensors",) if split.is_sharded else ()))
-    for filename, names in split.filename_to_tensors.items():
-        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
-        shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
-        save_file(shard, os.path.join(save_directory, filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        with open(os.path.join(save_directory, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-
-
-def save_fp8_checkpoint(
-    model: nn.Module,
-    save_directory: str,
-    recipe,
-    gather: Gather | None = None,
-    write: bool = True,
-    max_shard_size: int | str = "50GB",
-    kv_scales: Sequence[tuple[str, torch.Tensor]] = (),
-) -> list[str]:
-    """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors` (or
-    shards of at most `max_shard_size`, transformers' default, and their index) under the names `save_pretrained`
-    gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints store them) plus `config.json`
-    with the recipe's `quantization_config` (what stays in high precision listed in `modules_to_not_convert`, in
-    transformers' module names, and, where the checkpoint's differ, in `ignored_layers` for vLLM); the folder's
-    files that it replaces (`REPLACED_FILES`: an adapter, another save's weights) are removed. `gather` as in
-    `iter_fp8_state`; `write=False` reads the stream and writes nothing (ZeRO-3's gathers are collective: the ranks
-    that do not write read it too). `kv_scales`: an FP8 KV cache's Q/K/V scales as the sync stream names them
-    (`model.layers.{i}.self_attn.k_scale`), saved beside the weights for vLLM's `kv_cache_dtype="fp8"` (transformers
-    reports them as unexpected keys and loads the rest). Returns the checkpoint names of the FP8 weights."""
-    converted = getattr(model, "fp8_recipe", None) is not None
-    if converted and model.fp8_recipe != recipe:
-        # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
-        raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
-    pairs = list(iter_fp8_state(model, None if converted else recipe, gather)) + list(kv_scales)
-    tensors = dict(CheckpointNames(model, [(n, t.shape, t.dtype) for n, t in pairs])(pairs))
-    saved = [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]
-    if not write:
-        return saved
-    fp8_modules = {n.rsplit(".", 1)[0] for n, t in pairs if t.dtype == torch.float8_e4m3fn}
-    fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
-    kept = high_precision_modules(model, fp8_modules)
-    os.makedirs(save_directory, exist_ok=True)
-    _write_shards(tensors, save_directory, max_shard_size)
-    config = copy.deepcopy(model.config)
-    config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
-    if (checkpoint_kept := checkpoint_module_names(model, kept)) != kept:
-        config.quantization_config["ignored_layers"] = checkpoint_kept
-    config.save_pretrained(save_directory)
-    # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(save_directory)
-    return saved

@@ -11,7 +11,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from ..generation.gather import learner_gather
 from ..quant.adapters import unwrap_peft
-from ..quant.export import REPLACED_FILES, save_fp8_checkpoint
+from ..quant.fp8_checkpoint import REPLACED_FILES, save_fp8_checkpoint
 from .sharded import sharding
 
 

@@ -1,0 +1,162 @@
+"""A block-FP8 checkpoint of the export stream (`trl_fp8.quant.export`), written whole or not at all.
+
+Every check runs before the first byte is written (the recipe, the names, non-finite tensors, the KV-cache scales),
+and the files are written into a staging folder inside the target and moved in only once all of them exist: a save
+that fails, however late, leaves the folder's earlier checkpoint as it was.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Sequence
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .checkpoint_names import CheckpointNames, checkpoint_module_names
+from .export import Gather, high_precision_modules, iter_fp8_state, refuse_nonfinite
+from .kv_cache import KV_SCALE_SUFFIXES
+
+
+_EXPERT_LINEAR_RE = re.compile(r"^(.*\.experts)\.\d+\.(?:gate|up|down)_proj$")
+
+# The files of a model folder that a block-FP8 checkpoint replaces: another save's weights (sharded, or `.bin`) or a
+# PEFT adapter. Left beside `model.safetensors`, transformers would load the adapter on top of the merged FP8 weights
+# (or the adapter's base model instead of them) and vLLM would read the shards an index names.
+REPLACED_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _remove_replaced_files(save_directory: str, patterns: tuple[str, ...]) -> None:
+    replaced = sorted(
+        name
+        for name in os.listdir(save_directory)
+        if os.path.isfile(os.path.join(save_directory, name))
+        and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+    )
+    if replaced:
+        warnings.warn(
+            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a PEFT "
+            "adapter); removed, as the FP8 checkpoint written there replaces them",
+            stacklevel=3,
+        )
+    for name in replaced:
+        os.remove(os.path.join(save_directory, name))
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_size: int | str) -> bool:
+    """`model.safetensors`, or shards of at most `max_shard_size` and their index, as `save_pretrained` names them (the
+    Hub takes no file above 50 GB); one shard at a time in CPU memory. Returns whether it wrote shards."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
+        shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
+        save_file(shard, os.path.join(directory, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    return split.is_sharded
+
+
+def _check_kv_scales(kv_scales: list[tuple[str, torch.Tensor]], stream: list[tuple[str, torch.Tensor]]) -> None:
+    names = {n for n, _ in stream}
+    for name, t in kv_scales:
+        if not name.endswith(KV_SCALE_SUFFIXES) or t.numel() != 1:
+            raise ValueError(
+                f"kv_scales: {name} ({tuple(t.shape)}) is not one Q/K/V scale named as vLLM loads them "
+                "(`model.layers.{i}.self_attn.k_scale`, `v_scale`, `q_scale`); nothing was written"
+            )
+        if name in names:
+            raise ValueError(f"kv_scales: {name} is already in the checkpoint (twice); nothing was written")
+        names.add(name)
+
+
+def _same_weights(a, b) -> bool:
+    """Whether two recipes quantize the same weights the same way (the kernels that run them aside)."""
+    return dataclasses.replace(a, backend="auto", fuse_siblings=True) == dataclasses.replace(
+        b, backend="auto", fuse_siblings=True
+    )
+
+
+def save_fp8_checkpoint(
+    model: nn.Module,
+    save_directory: str,
+    recipe,
+    gather: Gather | None = None,
+    write: bool = True,
+    max_shard_size: int | str = "50GB",
+    kv_scales: Sequence[tuple[str, torch.Tensor]] = (),
+) -> list[str]:
+    """Writes the stream as a block-FP8 checkpoint that vLLM serves and transformers loads: `model.safetensors` (or
+    shards of at most `max_shard_size`, transformers' default, and their index) under the names `save_pretrained`
+    gives (`trl_fp8.quant.checkpoint_names`: experts one by one, as Hub checkpoints store them) plus `config.json`
+    with the recipe's `quantization_config` (what stays in high precision listed in `modules_to_not_convert`, in
+    transformers' module names, and, where the checkpoint's differ, in `ignored_layers` for vLLM) and the model's
+    `generation_config.json`; the folder's files that it replaces (`REPLACED_FILES`: an adapter, another save's
+    weights) are removed, once the new ones are written. `recipe`: an `FP8Recipe` or anything `FP8Recipe.from_any`
+    takes. `gather` as in `iter_fp8_state`; `write=False` reads the stream and writes nothing (ZeRO-3's gathers are
+    collective: the ranks that do not write read it too). `kv_scales`: an FP8 KV cache's Q/K/V scales as the sync
+    stream names them (`model.layers.{i}.self_attn.k_scale`), saved beside the weights for vLLM's
+    `kv_cache_dtype="fp8"` (transformers reports them as unexpected keys and loads the rest). Returns the checkpoint
+    names of the FP8 weights."""
+    from ..recipe import FP8Recipe  # the recipe module imports trl_fp8.quant
+
+    recipe = FP8Recipe.from_any(recipe)
+    converted = getattr(model, "fp8_recipe", None) is not None
+    if converted and not _same_weights(model.fp8_recipe, recipe):
+        # The weights were quantized with the model's recipe: a config naming another would misdescribe them.
+        raise ValueError(f"the model was converted with {model.fp8_recipe}, not with the recipe given, {recipe}")
+    pairs, kv_scales = list(iter_fp8_state(model, None if converted else recipe, gather)), list(kv_scales)
+    _check_kv_scales(kv_scales, pairs)
+    pairs += kv_scales
+    refuse_nonfinite(pairs, "nothing was written")
+    tensors = dict(CheckpointNames(model, [(n, t.shape, t.dtype) for n, t in pairs])(pairs))
+    saved = [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]
+    if not write:
+        return saved
+    fp8_modules = {n.rsplit(".", 1)[0] for n, t in pairs if t.dtype == torch.float8_e4m3fn}
+    fp8_modules |= {m.group(1) for n in fp8_modules if (m := _EXPERT_LINEAR_RE.match(n))}
+    kept = high_precision_modules(model, fp8_modules)
+    config = copy.deepcopy(model.config)
+    config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
+    if (checkpoint_kept := checkpoint_module_names(model, kept)) != kept:
+        config.quantization_config["ignored_layers"] = checkpoint_kept
+    created = not os.path.isdir(save_directory)
+    os.makedirs(save_directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".trl-fp8-save-", dir=save_directory)
+    try:
+        sharded = _write_shards(tensors, staging, max_shard_size)
+        config.save_pretrained(staging)
+        # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staging)
+        # Complete: the earlier files that loaders would take instead go, and the new ones move in (renames).
+        _remove_replaced_files(save_directory, REPLACED_FILES + (("model.safetensors",) if sharded else ()))
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):  # only if nothing else was written there meanwhile
+                os.rmdir(save_directory)
+        raise
+    os.rmdir(staging)
+    return saved
