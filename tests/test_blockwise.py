@@ -103,8 +103,9 @@ def test_bit_exact_against_reference(shape, block, pow2):
 
 def reference_vllm_act_quantize(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler's activation quantization, vLLM's `per_token_group_quant_fp8`, group by group in numpy float32:
-    s = max(amax, 1e-10) * fl32(1/448), with `use_ue8m0` (pow2 scales) rounded up to a power of two; codes are the
-    correctly rounded x / s, clamped to E4M3's range and rounded onto it."""
+    s = max(amax, 1e-10) / 448 correctly rounded (its CUDA kernel: `y_s = local_absmax / max_8bit`), with `use_ue8m0`
+    (pow2 scales) rounded up to a power of two; codes are the correctly rounded x / s, clamped to E4M3's range and
+    rounded onto it."""
     x = x.float().numpy()
     rows, cols = x.shape
     groups = math.ceil(cols / 128)
@@ -113,7 +114,7 @@ def reference_vllm_act_quantize(x: torch.Tensor, pow2: bool) -> tuple[torch.Tens
     for r in range(rows):
         for g in range(groups):
             group = x[r, g * 128 : (g + 1) * 128]
-            s = np.float32(max(np.float32(np.abs(group).max()), np.float32(1e-10))) * np.float32(1 / 448)
+            s = np.float32(max(np.float32(np.abs(group).max()), np.float32(1e-10))) / np.float32(448)
             if pow2:
                 mantissa, exponent = math.frexp(float(s))  # s = m * 2**e, m in [0.5, 1)
                 s = np.float32(math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent))

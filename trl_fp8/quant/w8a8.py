@@ -2,16 +2,18 @@
 
 Weights arrive already quantized by the trainer (`weight` e4m3 (N, K) + `weight_scale_inv` fp32
 (ceil(N/128), ceil(K/128))), so the sampler's weight grid is the learner's. Activations are quantized the way
-vLLM's `per_token_group_quant_fp8` does it, per token in groups of 128 along K:
+vLLM's `per_token_group_quant_fp8` does it on CUDA (its `per_token_group_fp8_quant` kernel computes
+`y_s = local_absmax / max_8bit`; the Triton fallback divides too), per token in groups of 128 along K:
 
-    s = max(amax, 1e-10) * (1 / 448)        # a dequant multiplier, computed by multiplying with a reciprocal
+    s = max(amax, 1e-10) / 448              # a dequant multiplier
     q = clamp(x / s, -448, 448).to(e4m3)
 
-which differs from the learner's `scale = 448 / amax` in the last bit of some scales: that is a real source of
-sampler/learner mismatch, and the importance-sampling correction is there for it. With the recipe's `pow2_scales`,
-vLLM runs DeepGEMM's E8M0 scales (`VLLM_USE_DEEP_GEMM_E8M0=1`, `use_ue8m0`), rounded up to a power of two:
+which differs from the learner's `scale = 448 / amax`, `scale_inv = 1 / scale` (two roundings) in the last bit of
+some scales: that is a real source of sampler/learner mismatch, and the importance-sampling correction is there for
+it. With the recipe's `pow2_scales`, vLLM runs DeepGEMM's E8M0 scales (`VLLM_USE_DEEP_GEMM_E8M0=1`, `use_ue8m0`),
+rounded up to a power of two:
 
-    s = 2**ceil(log2(max(amax, 1e-10) * (1 / 448)))
+    s = 2**ceil(log2(max(amax, 1e-10) / 448))
 
 which is the learner's pow2 rule but for an amax within an fp32 rounding of 448 * 2**k. Here the power of two is
 taken from the bits, exactly; vLLM's kernels take an fp32 `log2`, which can round an `s` a few ulps above a power of
@@ -51,7 +53,7 @@ def quantize_per_token_group(
         xf = nn.functional.pad(xf, (0, pad))
     xg = xf.reshape(*xf.shape[:-1], -1, group_size)
     amax = xg.abs().amax(dim=-1, keepdim=True).clamp_min(eps)
-    scale_inv = amax * (1.0 / FP8_MAX)
+    scale_inv = amax / FP8_MAX
     if pow2_scales:
         scale_inv = _pow2_ceil(scale_inv)
     q = (xg / scale_inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
