@@ -78,6 +78,8 @@ def test_scales_follow_the_weights():
     assert again.shape == (2, 3) and torch.equal(again[0, :2], after[0, :2])
     assert model.config._attn_implementation == "sdpa"  # the recording attention is switched back off
     assert not torch.equal(after[1], before[1])  # layer 1 sees layer 0's changed output
+    with pytest.raises(ValueError, match=r"calibration batch's attention_mask masks every token"):
+        calibrate_kv_scales(model.get_decoder(), ids, torch.zeros_like(mask))
 
 
 def test_caches_go_by_the_installed_transformers_keyword():

@@ -113,10 +113,9 @@ def test_grouped_kernels_match_the_oracle_expert_by_expert(tma, n):
             assert torch.equal(dw[e], torch.zeros_like(dw[e]))  # an expert without tokens gets no gradient
             continue
         blocks = slice(rows.start // 128, rows.stop // 128)
-        torch.testing.assert_close(
-            sqnr_db(emulated.gemm(xq[rows], xs[rows], wq[e], ws[e], (128, 128), torch.float32), y[rows]),
-            200.0, atol=200 - ACCUMULATION_DB, rtol=0,
-        )  # fmt: skip
+        assert sqnr_db(emulated.gemm(xq[rows], xs[rows], wq[e], ws[e], (128, 128), torch.float32), y[rows]) > (
+            ACCUMULATION_DB
+        )  # (inf where they agree bit for bit)
         ref_dx = emulated.gemm(dyq[rows], dys[rows], wqt[e], wst[e], (128, 128), torch.float32)
         ref_dw = emulated.gemm(dytq[:, rows], dyts[:, blocks], xtq[:, rows], xts[:, blocks], (1, 128), torch.float32)
         assert sqnr_db(ref_dx, dx[rows]) > ACCUMULATION_DB and sqnr_db(ref_dw, dw[e]) > ACCUMULATION_DB

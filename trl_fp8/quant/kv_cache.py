@@ -269,6 +269,11 @@ def calibrate_kv_scales(
     runs on the last position only) on a calibration batch and returns the (num_layers, 3) fp32 tensor of K, V and Q
     dequant multipliers (after RoPE, as the cache and the attention kernel see them), from the padding-free tokens
     only. The forward runs in eval mode (the training modes are restored after)."""
+    if not bool(attention_mask.any()):
+        raise ValueError(
+            "FP8 KV cache calibration: the calibration batch's attention_mask masks every token; there is nothing "
+            "to measure the Q/K/V scales on"
+        )
     config = getattr(decoder, "config", None)
     sources = kv_shared_sources(config) if config is not None else {}
     recorder = KVAmaxRecorder(config if config is not None and recurrent_layers(config) else None)

@@ -1,5 +1,7 @@
 """The `emulated` backend: dequantize both operands, multiply in fp32. Runs anywhere; the oracle for every other
-backend (products of FP8 values are exact in fp32, so only the accumulation order differs from a real kernel)."""
+backend. It differs from a real kernel, which multiplies the FP8 codes exactly and scales each block's partial sum,
+in the accumulation order and in rounding each dequantized value `q * scale_inv` to fp32 (exact for pow2 scales):
+errors near fp32's 2**-24, far below FP8's."""
 
 import torch
 
