@@ -128,7 +128,10 @@ def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_toke
         with torch.no_grad():
             logits = engine.sampler(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
-        torch.testing.assert_close(torch.tensor([lp[0] for lp in lps]), expected, atol=1e-4, rtol=1e-4)
+        # A KV-cached decode and this full forward give bf16 activations that differ in their last bits, which an
+        # FP8 activation code can amplify: up to 5e-4 relative (2.6e-3 nats) here. The raw (temperature 1) log-probs
+        # would be 1.5-7% off (0.07-0.3 nats) on some token of every sequence.
+        torch.testing.assert_close(torch.tensor([lp[0] for lp in lps]), expected, atol=1e-4, rtol=2e-3)
 
 
 def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_tokenizer):
