@@ -3,7 +3,7 @@
 # `vllm` extra's range) in a virtual environment beside the one the README's command installs (it sees that one's
 # packages: torch, TRL, trl-fp8), with the transformers that vLLM release supports.
 #
-#     bash tests/scripts/vllm_cpu.sh [VENV_DIR]        # default: .venv-vllm-cpu; about 15 minutes on 2 cores
+#     bash tests/scripts/vllm_cpu.sh [VENV_DIR]        # default: .venv-vllm-cpu; 13 to 17 minutes on 2 cores
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=${1:-.venv-vllm-cpu}
