@@ -534,7 +534,9 @@ def test_a_rollout_func_without_the_samplers_logprobs_is_refused_by_name(tmp_pat
             rollout_func=rollout,
         )
 
-    with pytest.raises(ValueError, match=r"rollout_func returned no 'logprobs'.*vllm_importance_sampling_correction"):
+    with pytest.raises(
+        ValueError, match=r"rollout_func returned no 'logprobs': with vllm_importance_sampling_correction=True"
+    ):
         build().train()
     assert build(vllm_importance_sampling_correction=False).train().global_step == 1
 

@@ -66,7 +66,8 @@ def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_si
 
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors refuses.
+        # Copies: sibling linears' FP8 weights are row views of one stacked tensor, which safetensors (and so
+        # huggingface_hub's `save_torch_state_dict`) refuses; one shard's at a time.
         shard = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
         save_file(shard, os.path.join(directory, filename), metadata={"format": "pt"})
     if split.is_sharded:

@@ -335,9 +335,9 @@ def _with_sampler_logprobs(rollout_func):
         logprobs = output.get("logprobs", ()) if isinstance(output, dict) else ()
         if logprobs is None or any(row is None for row in logprobs):
             raise ValueError(
-                "rollout_func returned no 'logprobs': FP8GRPOTrainer corrects the mismatch between the FP8 sampler "
-                "and the learner with the sampler's log-probs (vllm_importance_sampling_correction=True). Return "
-                "those of the engine that sampled (trainer.vllm_generation.generate(...) returns them), or set "
+                "rollout_func returned no 'logprobs': with vllm_importance_sampling_correction=True the learner's "
+                "log-probs are compared with the sampler's, token by token, to correct their mismatch. Return those "
+                "of the engine that sampled (trainer.vllm_generation.generate(...) returns them), or set "
                 "vllm_importance_sampling_correction=False."
             )
         return output
