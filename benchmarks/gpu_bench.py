@@ -172,7 +172,7 @@ def bench_quantize(device, m, k, iters):
     if triton_status()[0] and device.type == "cuda":
         from trl_fp8.quant.backends.triton_kernels import quant_act_kernel_tuned
 
-        # Which slicing won (CHUNK rows; pass 2 by row or column slices), per (K, WITH_T, dtypes) key.
+        # Which slice size won (CHUNK rows, warps), per (K, WITH_T, dtypes) key.
         rows["act_kernel_autotuned"] = {str(key): str(cfg) for key, cfg in quant_act_kernel_tuned.cache.items()}
     return rows
 

@@ -175,10 +175,9 @@ def grouped_jobs() -> list[dict]:
 def quantize_jobs() -> list[dict]:
     """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` at every autotune config."""
     jobs = []
-    for cfg in tk._ACT_CONFIGS:
+    for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
-        slices = "columns" if cfg.kwargs["T_COLS"] else "rows"
-        name = f"quantize act, {cfg.kwargs['CHUNK']}-{slices} slices, {cfg.num_warps} warps"
+        name = f"quantize act, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
         jobs.append(_job("triton_kernels.quant_act_kernel", _ACT, const, cfg.num_warps, 1, name, ""))
     for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_wk=1, POW2=False, BLOCK=128, **cfg.kwargs)

@@ -96,10 +96,10 @@ def test_the_moe_kernels_compile_to_fp8_mmas(sm90):
 
 
 def test_every_quantizer_config_compiles_for_sm90(sm90):
-    """The quantizers, rewritten in row and column slices after the only GPU run so far: every autotune config
-    compiles for SM90 without spills, with 16-byte vector loads of X or W."""
-    from trl_fp8.quant.backends.triton_kernels import _ACT_CONFIGS, _QUANT_CONFIGS
+    """The quantizers, walked in row slices: every autotune config compiles for SM90 without spills, with 16-byte
+    vector loads of X or W."""
+    from trl_fp8.quant.backends.triton_kernels import _QUANT_CONFIGS
 
     quantizers = [r for r in sm90 if r["kernel"].startswith("quantize")]
-    assert len(quantizers) == len(_ACT_CONFIGS) + len(_QUANT_CONFIGS)
+    assert len(quantizers) == 2 * len(_QUANT_CONFIGS)
     assert all(r["stack_bytes"] == 0 and r["LDG"] > 0 and r["LDG_128"] == r["LDG"] for r in quantizers), quantizers

@@ -55,13 +55,20 @@ def _unpadded(q, s, qt, st, m):
     return q[:m], s[:m], qt, st
 
 
-@pytest.fixture(
-    params=[None, {"CHUNK": 32, "T_COLS": False}, {"CHUNK": 64, "T_COLS": True}],
-    ids=["default", "t_by_row_slices", "t_by_column_slices"],
-)
+def _act_configs() -> list:
+    """On a GPU every config the autotuner may pick (its pick can change between runs); in the interpreter, which
+    ignores warps and whose tuned launch takes whole tiles, the smallest slice."""
+    if not torch.cuda.is_available():
+        return [{"CHUNK": 16}]
+    from trl_fp8.quant.backends.triton_kernels import _QUANT_CONFIGS
+
+    return [{**c.kwargs, "num_warps": c.num_warps} for c in _QUANT_CONFIGS]
+
+
+@pytest.fixture(params=[None, *_act_configs()], ids=lambda c: "tuned" if c is None else "-".join(map(str, c.values())))
 def act(request):
-    """The act quantizer as it runs (autotuned on a GPU), and each way its pass 2 can walk a tile, between which the
-    autotuner chooses: every one must give the reference's bits."""
+    """The act quantizer as it runs (autotuned on a GPU), and each config the autotuner chooses between: every one
+    must give the reference's bits."""
     if request.param is None:
         return fast_act
     from trl_fp8.quant.backends.triton_kernels import quantize_act

@@ -69,17 +69,17 @@ def _amax(x, axis: tl.constexpr):
 def quant_act_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
     M, K, M_Q, M_T, stride_xm, stride_xk, stride_sm, stride_sk, stride_stk, stride_stm,
-    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, T_COLS: tl.constexpr,
+    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # One program per 128x128 tile of X, walked in CHUNK-row slices so that few registers are live and many tiles
     # are in flight per SM (a whole fp32 tile per program is latency-bound at ~40% of copy bandwidth). The autotuner
-    # picks CHUNK and how pass 2 walks the tile (T_COLS).
+    # picks CHUNK.
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     # int64 offsets: M * K passes 2**31 at long contexts.
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     amax_c = tl.zeros((BLOCK,), dtype=tl.float32)
     # Pass 1, row-wise usage X (M, K): a row's 128-column block lies whole in each slice. The column amax on the
-    # way, for a pass 2 by row slices.
+    # way, for pass 2.
     for c in tl.static_range(BLOCK // CHUNK):
         rows = pid_m.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -90,25 +90,12 @@ def quant_act_kernel(
         q_mask = (rows[:, None] < M_Q) & (cols[None, :] < K)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale_r[:, None]), mask=q_mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M_Q)
-        if WITH_T and not T_COLS:
+        if WITH_T:
             amax_c = _max_nan(amax_c, _amax(x, 0))
-    if WITH_T and T_COLS:
-        # Pass 2, column-wise usage Xᵀ (K, M), in CHUNK-column slices of all 128 rows (read again, from L2): each
-        # slice holds its columns' whole 128-token blocks, so it scales them itself, and each column of X becomes a
-        # 128-byte row of Xᵀ, written in one coalesced line (row slices write CHUNK bytes per column).
-        rows = pid_m.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        for c in tl.static_range(BLOCK // CHUNK):
-            cs = pid_k.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
-            mask = (rows[:, None] < M) & (cs[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cs[None, :] * stride_xk, mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            scale_c = _scale(_amax(x, 0), POW2)
-            t_mask = (cs[:, None] < K) & (rows[None, :] < M_T)
-            tl.store(qt_ptr + cs[:, None] * M_T + rows[None, :], tl.trans(_cast(x, scale_c[None, :])), mask=t_mask)
-            tl.store(st_ptr + cs * stride_stk + pid_m * stride_stm, tl.math.div_rn(1.0, scale_c), mask=cs < K)
-    if WITH_T and not T_COLS:
+    if WITH_T:
         # Pass 2, column-wise usage Xᵀ (K, M): one scale per column of X and 128 rows, written transposed. The
-        # slices are read again, from L2.
+        # slices are read again, from L2. (A pass 2 by column slices of all 128 rows, which writes Xᵀ in whole
+        # 128-byte lines, wrote non-zero codes into Xᵀ's padding on an H200: benchmarks/RESULTS.md, 2026-12-04.)
         scale_c = _scale(amax_c, POW2)
         for c in tl.static_range(BLOCK // CHUNK):
             rows = pid_m.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
@@ -149,10 +136,6 @@ def quant_weight_kernel(
 # Keyed without the token count M, which changes every RL step: one tuning per hidden size, not per batch.
 _CHUNKS = ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))
 _QUANT_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _CHUNKS]
-# Column slices only where a slice keeps the registers of a row slice's best sizes: fewer configs to compile.
-_ACT_CONFIGS = [triton.Config({"CHUNK": c, "T_COLS": False}, num_warps=w) for c, w in _CHUNKS] + [
-    triton.Config({"CHUNK": c, "T_COLS": True}, num_warps=w) for c, w in ((32, 4), (32, 8), (64, 8))
-]
 
 
 def _untimed(kernel_call, quantiles):
@@ -169,19 +152,20 @@ def _only_in_interpreter(kwargs: dict):
     return prune
 
 
-# What Triton's CPU interpreter runs. `_UNTIMED` is read when Triton reads TRITON_INTERPRET: as kernels are decorated.
-INTERPRETER_ACT_CONFIG = {"CHUNK": 32, "T_COLS": True}
+# What Triton's CPU interpreter runs: whole tiles, its fastest (a 512x1024 act quantization in 0.65 s, 2.2 s in 32-row
+# slices). `_UNTIMED` is read when Triton reads TRITON_INTERPRET: as kernels are decorated.
+INTERPRETER_CONFIG = {"CHUNK": 128}
 _UNTIMED = {"do_bench": _untimed} if interpreting() else {}
 quant_act_kernel_tuned = triton.autotune(
-    configs=_ACT_CONFIGS,
+    configs=_QUANT_CONFIGS,
     key=["K", "WITH_T"],
-    prune_configs_by={"early_config_prune": _only_in_interpreter(INTERPRETER_ACT_CONFIG)},
+    prune_configs_by={"early_config_prune": _only_in_interpreter(INTERPRETER_CONFIG)},
     **_UNTIMED,
 )(quant_act_kernel)
 quant_weight_kernel_tuned = triton.autotune(
     configs=_QUANT_CONFIGS,
     key=["K"],
-    prune_configs_by={"early_config_prune": _only_in_interpreter({"CHUNK": 32})},  # ties: the first, 4 warps
+    prune_configs_by={"early_config_prune": _only_in_interpreter(INTERPRETER_CONFIG)},
     **_UNTIMED,
 )(quant_weight_kernel)
 
@@ -223,7 +207,7 @@ def quantize_act(
         st.stride(0),
         st.stride(1),
     )
-    if config is not None:  # one kernel config (`CHUNK`, `T_COLS`) instead of the autotuner's pick
+    if config is not None:  # one kernel config (`CHUNK`, `num_warps`) instead of the autotuner's pick
         quant_act_kernel[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
     else:
         quant_act_kernel_tuned[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
