@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ACCUMULATION_DB, sqnr_db, triton_marks
+from conftest import ACCUMULATION_DB, TMA_FAILS_ON_GPU, sqnr_db, triton_marks
 from torch import nn
 
 from trl_fp8.quant import FP8Linear, quantize_blockwise
@@ -225,12 +225,14 @@ TILES = {
 GPU_TILES = {"wide": dict(num_warps=8, num_stages=3), "tma": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)}
 
 
-@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("tile", ["default", "wide", pytest.param("tma", marks=TMA_FAILS_ON_GPU)])
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
 @pytest.mark.parametrize("transposed_b", [False, True])
-def test_triton_gemm_matches_emulated(b_block, transposed_b, tile):
+def test_triton_gemm_matches_emulated(b_block, transposed_b, tile, monkeypatch):
     from trl_fp8.quant.backends.triton_gemm_kernels import gemm
 
+    if tile == "tma":
+        monkeypatch.setenv("TRL_FP8_TRITON_TMA", "1")
     tile = TILES[tile] and {**TILES[tile], **(GPU_TILES[tile] if torch.cuda.is_available() else {})}
 
     torch.manual_seed(0)
@@ -284,11 +286,13 @@ def test_triton_gemm_keeps_tma_to_operands_it_can_read(monkeypatch):
     b = torch.zeros(136, 300, dtype=torch.float8_e4m3fn, device=DEVICE)
     a_s, b_s = torch.ones(200, 3, device=DEVICE), torch.ones(2, 3, device=DEVICE)
     aligned = torch.zeros(200, 304, dtype=torch.float8_e4m3fn, device=DEVICE)
+    monkeypatch.setenv("TRL_FP8_TRITON_TMA", "1")  # on a GPU the TMA configs run only when asked
     assert not _tma_ok(a, b) and _tma_ok(aligned, aligned[:136])
     assert not _tma_ok(aligned[:, 1:], aligned[:136, 1:])  # rows aligned, base address not
-    monkeypatch.setenv("TRL_FP8_TRITON_TMA", "0")  # the switch gpu_checks.sh sets when the TMA configs hang
+    monkeypatch.setenv("TRL_FP8_TRITON_TMA", "0")
     assert not _tma_ok(aligned, aligned[:136])
     monkeypatch.delenv("TRL_FP8_TRITON_TMA")
+    assert _tma_ok(aligned, aligned[:136]) == (DEVICE == "cpu")  # unset: on in the interpreter, off on a GPU
     assert any(c.kwargs["TMA"] for c in configs)
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert _prune_configs(configs, {"TMA_OK": 1}) == configs[:1]
@@ -384,6 +388,6 @@ def test_gpu_bench_reads_the_gemm_autotuner_it_records():
     if os.environ.get("TRITON_INTERPRET") == "1":
         # The interpreter keeps one (plain) config: triton 3.9 does not time it, older versions time it at 0.
         assert set(out["128x128"]) <= {"plain"} and all(v == 0.0 for v in out["128x128"].values())
-    else:  # K = 640 bytes a row: TMA can read both operands, so the best of each kind was timed
-        kinds = {"plain"} if os.environ.get("TRL_FP8_TRITON_TMA") == "0" else {"plain", "tma"}
+    else:  # K = 640 bytes a row: TMA can read both operands, so where switched on the best of each kind was timed
+        kinds = {"plain", "tma"} if os.environ.get("TRL_FP8_TRITON_TMA") == "1" else {"plain"}
         assert set(out["128x128"]) == kinds and all(0 < v < math.inf for v in out["128x128"].values())

@@ -115,17 +115,22 @@ def _shape_bucket(m: int, n: int, k: int) -> int:
 
 
 def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether TMA can read A and B: rows at 16-byte aligned addresses (not broadcast), contiguous along K, on an
-    NVIDIA GPU that has TMA (Hopper and newer; the interpreter emulates it). `TRL_FP8_TRITON_TMA=0` leaves the
-    warp-specialized TMA configs out, read at every launch (`benchmarks/gpu_checks.sh` sets it if they hang)."""
-    if os.environ.get("TRL_FP8_TRITON_TMA", "1") == "0":
+    """Whether the warp-specialized TMA configs may run: TMA reads rows at 16-byte aligned addresses (not broadcast),
+    contiguous along K, on an NVIDIA GPU that has TMA (Hopper and newer; the interpreter emulates it).
+
+    On a GPU only with `TRL_FP8_TRITON_TMA=1`, for work on these kernels: on an H200 (triton 3.6.0, 2026-12-04) they
+    gave products 0 dB from `emulated`'s, where the plain configs, from the same kernel code, gave 78 dB; the
+    interpreter runs them right. `TRL_FP8_TRITON_TMA=0` leaves them out there too. Read at every launch."""
+    switch = os.environ.get("TRL_FP8_TRITON_TMA")
+    if switch == "0":
         return False
     aligned = all(
         t.stride(1) == 1 and t.stride(0) > 0 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b)
     )
     if interpreting():
         return aligned
-    return aligned and a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
+    on_hopper = a.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(a.device)[0] >= 9
+    return switch == "1" and aligned and on_hopper
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -174,7 +179,8 @@ def gemm(
         if config["TMA"] and not tma_ok:
             raise ValueError(
                 f"config TMA=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
-                f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA)"
+                f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA, where `TRL_FP8_TRITON_TMA=1` "
+                f"switches them on)"
             )
     if tma_ok and not interpreting():
         _ensure_allocator()
@@ -287,7 +293,8 @@ def _launch_grouped(kernel, tuned, grid, args, tma, blocks, fixed):
         a, b = args[0], args[1]
         raise ValueError(
             f"tma=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
-            f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA)"
+            f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA, where `TRL_FP8_TRITON_TMA=1` "
+            f"switches them on)"
         )
     if tma_ok and not interpreting():
         _ensure_allocator()
