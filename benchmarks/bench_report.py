@@ -47,9 +47,9 @@ def markdown(results) -> str:
             lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['bf16_tflops']:.0f} | {cells} |")
         for r in results["gemm"]:
             for scales, t in r.get("triton", {}).get("autotune_ms", {}).items():
+                tma = f", best TMA warp-specialized {t['tma']:.3f} ms" if "tma" in t else " (TMA configs off)"
                 lines.append(f"\nTriton autotuning at M, K, N = {r['M']}, {r['K']}, {r['N']}, {scales} B scales: best "
-                             f"plain tile {t.get('plain', math.nan):.3f} ms, best TMA warp-specialized "
-                             f"{t.get('tma', math.nan):.3f} ms")  # fmt: skip
+                             f"plain tile {t.get('plain', math.nan):.3f} ms{tma}")  # fmt: skip
         tuned = results["gemm"][-1].get("triton_autotuned", {})
         lines += [f"\nAutotuned triton GEMM, {k}: {v}" for k, v in tuned.items()]
     if "linear" in results:

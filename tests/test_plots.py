@@ -43,12 +43,12 @@ def test_seeds_of_different_lengths_are_cut_to_the_shortest(tmp_path):
 
 
 def test_gpu_figure_draws_every_measured_ratio_against_its_target(tmp_path):
-    """On the first H200 run's committed figures (`benchmarks/results/gpu/gpu_bench.json`)."""
+    """On the first H200 run's committed figures (`benchmarks/results/gpu/2026-11-30/gpu_bench.json`)."""
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "benchmarks"))
     from bench_report import TARGETS, markdown, plot_panels, plot_targets
 
-    results = json.loads((root / "benchmarks" / "results" / "gpu" / "gpu_bench.json").read_text())
+    results = json.loads((root / "benchmarks" / "results" / "gpu" / "2026-11-30" / "gpu_bench.json").read_text())
     gemm, linear, quantize, step = plot_panels(results)
     assert [p["target"] for p in (gemm, linear, quantize, step)] == [
         TARGETS["gemm"], TARGETS["linear"], TARGETS["quantize_share"], TARGETS["train_step"]
@@ -70,3 +70,7 @@ def test_gpu_figure_draws_every_measured_ratio_against_its_target(tmp_path):
     assert "4096, 6144, 128x128 B scales: best plain tile 0.812 ms, best TMA warp-specialized 0.654 ms" in markdown(
         results
     )
+    # The 2026-12-04 run autotuned without the TMA configs: the report says so rather than "nan ms".
+    latest = json.loads((root / "benchmarks" / "results" / "gpu" / "gpu_bench.json").read_text())
+    assert "6144, 128x128 B scales: best plain tile 0.492 ms (TMA configs off)" in markdown(latest)
+    assert is_png(plot_targets(latest, tmp_path / "latest.png"))
