@@ -45,7 +45,8 @@ GEMM_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, 
 @contextlib.contextmanager
 def _autotuning(backend: str, device, out: dict, label: str):
     """Where the block tunes the Triton GEMM for a new shape, `out[label]` gets the autotuner's timings (ms, median)
-    of its best plain and its best warp-specialized TMA config: what the TMA configs win or lose, whichever it keeps."""
+    of its best plain and (where switched on) its best warp-specialized TMA config: what the TMA configs win or
+    lose, whichever it keeps."""
     if backend != "triton" or device.type != "cuda":
         yield
         return

@@ -200,8 +200,8 @@ def triton_marks() -> list:
 # FP8 MMA keeps only ~14 mantissa bits while it sums one 128-deep K block (DeepSeek-V3 §3.3.2; the reason scales are
 # applied per block in fp32): ~2^-13 relative, measured 78 dB for both cuBLAS and Triton on an H200.
 ACCUMULATION_DB = 70 if torch.cuda.is_available() else 100
-# The warp-specialized TMA GEMMs gave products 0 dB from the oracle's on an H200 (triton 3.6.0, 2026-12-04; right in the
-# interpreter): on a GPU they run only when asked (`TRL_FP8_TRITON_TMA=1`), and their tests are expected to fail
+# The warp-specialized TMA GEMMs gave products 0 dB from the oracle's on an H200 (triton 3.6.0, 2026-12-04; right in
+# the interpreter): on a GPU they run only when asked (`TRL_FP8_TRITON_TMA=1`), and their tests are expected to fail
 # there until a GPU run shows them fixed (strict: a pass fails, to say so).
 TMA_FAILS_ON_GPU = pytest.mark.xfail(
     torch.cuda.is_available(), strict=True, reason="TMA GEMMs gave wrong products on an H200 (2026-12-04)"

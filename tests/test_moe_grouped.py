@@ -123,9 +123,11 @@ def test_grouped_kernels_match_the_oracle_expert_by_expert(tma, n, monkeypatch):
         assert sqnr_db(ref_dx, dx[rows]) > ACCUMULATION_DB and sqnr_db(ref_dw, dw[e]) > ACCUMULATION_DB
 
 
-def test_grouped_kernels_refuse_tma_for_operands_it_cannot_read():
+def test_grouped_kernels_refuse_tma_for_operands_it_cannot_read(monkeypatch):
     """K = 200 bytes between rows: TMA cannot read them, and forcing it is an error giving the strides."""
     from trl_fp8.quant.backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
+
+    monkeypatch.setenv("TRL_FP8_TRITON_TMA", "1")  # switched on, as on a GPU it must be: the operands are the reason
 
     a = torch.zeros(128, 200, dtype=torch.float8_e4m3fn, device=DEVICE)
     b = torch.zeros(2, 128, 200, dtype=torch.float8_e4m3fn, device=DEVICE)

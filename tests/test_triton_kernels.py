@@ -300,8 +300,12 @@ def test_triton_gemm_keeps_tma_to_operands_it_can_read(monkeypatch):
     assert _prune_configs(configs, {"TMA_OK": 0}) == [c for c in configs if not c.kwargs["TMA"]]
     assert _prune_configs(configs, {"TMA_OK": 1}) == configs
     monkeypatch.undo()
+    monkeypatch.setenv("TRL_FP8_TRITON_TMA", "1")
     with pytest.raises(ValueError, match=r"TMA cannot read these operands.*\(300, 1\)"):
         gemm(a, a_s, b, b_s, (128, 128), torch.float32, config=TILES["tma"])
+    monkeypatch.setenv("TRL_FP8_TRITON_TMA", "0")  # readable operands, but the switch is off: the error says that
+    with pytest.raises(ValueError, match=r"TMA configs are off \(TRL_FP8_TRITON_TMA=0; on a GPU they run only with 1"):
+        gemm(aligned, a_s, aligned[:136], b_s, (128, 128), torch.float32, config=TILES["tma"])
 
 
 def _linear_pair(weight: torch.Tensor, bias: torch.Tensor, pow2: bool) -> tuple[FP8Linear, FP8Linear]:

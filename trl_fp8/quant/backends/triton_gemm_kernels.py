@@ -133,6 +133,17 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return switch == "1" and aligned and on_hopper
 
 
+def _tma_refusal(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Why `_tma_ok(a, b)` said no, for the error of a launch that asked for a TMA config."""
+    switch = os.environ.get("TRL_FP8_TRITON_TMA")
+    if switch == "0" or (switch != "1" and not interpreting()):
+        return f"the TMA configs are off (TRL_FP8_TRITON_TMA={switch}; on a GPU they run only with 1)"
+    return (
+        f"TMA cannot read these operands (A strides {tuple(a.stride())}, B strides {tuple(b.stride())}; rows must "
+        "start at 16-byte aligned addresses, on a GPU with TMA)"
+    )
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")  # the caching allocator aligns to 512 bytes
 
@@ -177,11 +188,7 @@ def gemm(
     if config is not None:
         config = {"TMA": False, **config}
         if config["TMA"] and not tma_ok:
-            raise ValueError(
-                f"config TMA=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
-                f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA, where `TRL_FP8_TRITON_TMA=1` "
-                f"switches them on)"
-            )
+            raise ValueError(f"config TMA=True, but {_tma_refusal(a, b)}")
     if tma_ok and not interpreting():
         _ensure_allocator()
     if config is not None:
@@ -291,11 +298,7 @@ def _launch_grouped(kernel, tuned, grid, args, tma, blocks, fixed):
     tma_ok = args[-1]
     if tma and not tma_ok:
         a, b = args[0], args[1]
-        raise ValueError(
-            f"tma=True, but TMA cannot read these operands (A strides {tuple(a.stride())}, B strides "
-            f"{tuple(b.stride())}; rows must start at 16-byte aligned addresses, on a GPU with TMA, where `TRL_FP8_TRITON_TMA=1` "
-            f"switches them on)"
-        )
+        raise ValueError(f"tma=True, but {_tma_refusal(a, b)}")
     if tma_ok and not interpreting():
         _ensure_allocator()
     if tma is None:
