@@ -165,6 +165,14 @@ def bench_quantize(device, m, k, iters):
         cases["fused 1x128 + transposed (triton, one pass)"] = (lambda: fast_act(x, False, True), 4)
         cases["weight 128x128 (triton, with finite check)"] = (lambda: fast_weight(w, (128, 128), False, "w"), 3)
         cases["weight 128x128 (triton, check deferred)"] = (lambda: fast_weight(w, (128, 128), False, "w", False), 3)
+        cases["weight 128x128 + transposed (triton, one pass)"] = (
+            lambda: fast_weight(w, (128, 128), False, "w", False, with_t=True),
+            4,
+        )  # fmt: skip
+        cases["weight 128x128 + transpose copy (before 2026-12-04)"] = (
+            lambda: [t.contiguous() for t in fast_weight(w, (128, 128), False, "w", False)[2:4]],
+            5,
+        )  # fmt: skip
     rows = {"copy_bandwidth_gbs": copy_bw / 1e9}
     for name, (fn, bytes_per_elem) in cases.items():
         n = w.numel() if name.startswith("weight") else elems

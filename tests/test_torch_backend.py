@@ -143,9 +143,9 @@ def test_training_path_operands_need_no_copy(tokens):
     that is neither a multiple of 4 nor of 128 (RL batches rarely are). Only a weight dim that is not a multiple of
     512 costs a copy, of its small scale tensor (cuBLAS pads that to 4 blocks)."""
     torch.manual_seed(0)
-    w_q, w_s, _ = fast_weight(torch.randn(512, 512, device=DEVICE) * 0.02, (128, 128), False, "w")
-    # What `FP8Linear._quantized` caches on a GPU for dgrad (contiguous transposes, once per optimizer step).
-    w_qt, w_st = w_q.t().contiguous(), w_s.t().contiguous()
+    # What `FP8Linear._quantized` caches on a GPU: W and, for dgrad, Wᵀ written by the same kernel.
+    w = torch.randn(512, 512, device=DEVICE) * 0.02
+    w_q, w_s, w_qt, w_st, _ = fast_weight(w, (128, 128), False, "w", with_t=True)
     x_q, x_s, xt_q, xt_s = fast_act(torch.randn(tokens, 512, device=DEVICE), False, True)
     dy_q, dy_s, dyt_q, dyt_s = fast_act(torch.randn(tokens, 512, device=DEVICE), False, True)
     cases = {

@@ -55,9 +55,10 @@ def _unpadded(q, s, qt, st, m):
     return q[:m], s[:m], qt, st
 
 
-def _act_configs() -> list:
-    """On a GPU every config the autotuner may pick (its pick can change between runs); in the interpreter, which
-    ignores warps and whose tuned launch takes whole tiles, the smallest slice."""
+def _quant_configs() -> list:
+    """The quantizers' configs to test one by one: on a GPU every config the autotuner may pick (its pick can change
+    between runs); in the interpreter, which ignores warps and whose tuned launch takes whole tiles, the smallest
+    slice."""
     if not torch.cuda.is_available():
         return [{"CHUNK": 16}]
     from trl_fp8.quant.backends.triton_kernels import _QUANT_CONFIGS
@@ -65,7 +66,11 @@ def _act_configs() -> list:
     return [{**c.kwargs, "num_warps": c.num_warps} for c in _QUANT_CONFIGS]
 
 
-@pytest.fixture(params=[None, *_act_configs()], ids=lambda c: "tuned" if c is None else "-".join(map(str, c.values())))
+def _config_id(config: dict | None) -> str:
+    return "tuned" if config is None else "-".join(map(str, config.values()))
+
+
+@pytest.fixture(params=[None, *_quant_configs()], ids=_config_id)
 def act(request):
     """The act quantizer as it runs (autotuned on a GPU), and each config the autotuner chooses between: every one
     must give the reference's bits."""
@@ -139,7 +144,7 @@ def test_fused_act_quantization_keeps_nan_and_inf_as_the_reference_does(pow2, ac
 def test_weight_kernel_keeps_nan_and_inf_as_the_reference_does(pow2):
     """Unchecked (a forward defers the check), the weight's NaN stays NaN and its block amax says so."""
     w = _codes_with_nonfinite(200, 300).to(DEVICE)
-    q, s, amax = fast_weight(w, (128, 128), pow2, "w", check_finite=False)
+    q, s, _, _, amax = fast_weight(w, (128, 128), pow2, "w", check_finite=False)
     rq, rs = quantize_blockwise(w, (128, 128), pow2_scales=pow2, check_finite=False)
     assert torch.equal(s, rs) and torch.equal(q.float().isnan(), w.isnan())
     assert torch.equal(amax.isnan(), torch.tensor([[True, False, False], [False, False, True]], device=DEVICE))
@@ -152,12 +157,46 @@ def test_weight_kernel_keeps_nan_and_inf_as_the_reference_does(pow2):
 @pytest.mark.parametrize("pow2", [False, True])
 def test_weight_kernel_matches_reference(shape, pow2):
     w = (_on_grid(*shape, seed=1) if pow2 else torch.randn(shape) * 0.02).to(DEVICE)
-    q, s, amax = fast_weight(w, (128, 128), pow2, "w")
+    q, s, _, _, amax = fast_weight(w, (128, 128), pow2, "w")
     assert amax is None  # checked, not handed back
     rq, rs = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
     assert torch.equal(s, rs)
     if pow2 or EXACT_ROUNDING:
         assert torch.equal(_codes(q), _codes(rq))
+
+
+@pytest.mark.parametrize("config", [None, *_quant_configs()], ids=_config_id)
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (130, 128)])
+def test_weight_kernel_writes_wt_in_the_same_pass(shape, config):
+    """dgrad's Wᵀ (K-major codes and their scales), written by the weight kernel from the codes it just made: equal
+    to `q.t()` bit for bit, NaN and partial blocks included, in every config the autotuner may pick (stores the GPU
+    runs differently from the interpreter: a transposed store faulted on an H200 before, RESULTS 2026-12-04)."""
+    from trl_fp8.quant.backends.triton_kernels import quantize_weight
+
+    torch.manual_seed(shape[0])
+    w = torch.randn(shape).to(DEVICE, torch.bfloat16)
+    w[shape[0] - 1, 5], w[3, shape[1] - 1] = float("nan"), float("-inf")
+    q, s, qt, st, amax = quantize_weight(w, pow2_scales=False, with_t=True, config=config)
+    assert qt.shape == shape[::-1] and qt.is_contiguous() and st.is_contiguous()
+    assert torch.equal(_codes(qt), _codes(q.t())) and torch.equal(st, s.t())
+    q2, s2, none_q, none_s, amax2 = quantize_weight(w, pow2_scales=False, with_t=False, config=config)
+    assert none_q is None and none_s is None
+    assert torch.equal(_codes(q2), _codes(q)) and torch.equal(s2, s) and torch.equal(amax2.isnan(), amax.isnan())
+    grid = _on_grid(*shape, seed=3).to(DEVICE)  # and the codes are the reference's
+    rq, rs = quantize_blockwise(grid, (128, 128), pow2_scales=True)
+    _, _, qt, st, _ = quantize_weight(grid, pow2_scales=True, with_t=True, config=config)
+    assert torch.equal(_codes(qt), _codes(rq.t())) and torch.equal(st, rs.t())
+
+
+@pytest.mark.parametrize("block", [(128, 128), (64, 128)])
+def test_weight_quantizers_give_wt_contiguous_only_when_asked(block):
+    """`with_t` is what `FP8Linear` asks for on a GPU, where dgrad reads Wᵀ K-major; without it Wᵀ is a free view.
+    Both paths (the Triton kernel for 128x128 blocks, the reference for others) give the same values either way."""
+    w = torch.randn(256, 384, device=DEVICE)
+    q, s, qt, st, _ = fast_weight(w, block, False, "w", with_t=True)
+    q_v, s_v, qt_v, st_v, _ = fast_weight(w, block, False, "w")
+    assert qt.is_contiguous() and st.is_contiguous() and qt_v.data_ptr() == q_v.data_ptr() and not qt_v.is_contiguous()
+    assert torch.equal(_codes(qt), _codes(qt_v)) and torch.equal(st, st_v) and torch.equal(_codes(q), _codes(q_v))
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -166,7 +205,7 @@ def test_weight_quantizer_takes_other_blocks_through_the_reference(pow2):
     quantized in its own blocks, never in 128x128 ones (its scales would not fit its checkpoint)."""
     torch.manual_seed(0)
     w = (torch.randn(256, 384) * torch.logspace(-3, 1, 256)[:, None]).to(DEVICE)  # rows of different magnitudes
-    q, s, _ = fast_weight(w, (64, 128), pow2, "w")
+    q, s, _, _, _ = fast_weight(w, (64, 128), pow2, "w")
     rq, rs = quantize_blockwise(w, (64, 128), pow2_scales=pow2)
     assert s.shape == (4, 3) and torch.equal(s, rs) and torch.equal(_codes(q), _codes(rq))
 
@@ -195,7 +234,7 @@ def test_weight_kernel_refuses_nonfinite_weights_by_name():
     w[3, 200] = float("inf")
     with pytest.raises(ValueError, match=r"'layers.0.o_proj.weight'.*1 of 65536.*0 NaN, 1 inf"):
         fast_weight(w, (128, 128), False, "layers.0.o_proj.weight")
-    _, _, amax = fast_weight(w, (128, 128), False, "layers.0.o_proj.weight", check_finite=False)
+    amax = fast_weight(w, (128, 128), False, "layers.0.o_proj.weight", check_finite=False)[-1]
     assert amax.shape == (2, 2) and torch.isinf(amax[0, 1]) and torch.isfinite(amax[[0, 1, 1], [0, 0, 1]]).all()
 
 

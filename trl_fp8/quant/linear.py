@@ -157,8 +157,9 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_fp8_t = saved_w
             if ctx.requantize:  # W itself, which DeepSpeed (or FSDP) gathered again for this backward
-                q, s, _ = backend.quantize_weight(saved_w.detach(), ctx.w_block, pow2, "", check_finite=False)
-                w_fp8_t, w_scale_inv_t = (q.t().contiguous(), s.t().contiguous()) if q.is_cuda else (q.t(), s.t())
+                _, _, w_fp8_t, w_scale_inv_t, _ = backend.quantize_weight(
+                    saved_w.detach(), ctx.w_block, pow2, "", check_finite=False, with_t=saved_w.is_cuda
+                )
             # [M, N] @ [N, K] -> [M, K]: B = Wᵀ (K, N) with its 128x128 blocks transposed
             w_block_t = (ctx.w_block[1], ctx.w_block[0])
             dx = backend.gemm(dy_fp8, dy_scale_inv, w_fp8_t, w_scale_inv_t, w_block_t, ctx.x_dtype)
@@ -268,12 +269,10 @@ class FP8Linear(nn.Linear):
         entry = self._w_cache
         if sharded or entry is None or entry[0] != key:
             backend = self._backend_for(w.device)
-            q, s, amax = backend.quantize_weight(
-                w, self.weight_block_size, self.pow2_scales, self.fp8_name, check_finite=check_finite
-            )
             contiguous = w.is_cuda and w.requires_grad and not sharded  # (a sharded weight's backward makes its own)
-            qt, st = (q.t().contiguous(), s.t().contiguous()) if contiguous else (q.t(), s.t())
-            entry = (key, q, s, qt, st, amax)
+            entry = (key,) + backend.quantize_weight(
+                w, self.weight_block_size, self.pow2_scales, self.fp8_name, check_finite, with_t=contiguous
+            )
         if check_finite and entry[5] is not None:
             check_amax(entry[5], w, self.fp8_name)
             entry = (*entry[:5], None)

@@ -149,14 +149,16 @@ class FP8LoraLinear(LoraLinear):
             with torch.autocast(base.weight.device.type, enabled=False):
                 w = merged_weight(self, adapters)
             backend = base._backend_for(w.device)
-            q, s, amax = backend.quantize_weight(
-                w, base.weight_block_size, base.pow2_scales, f"{base.fp8_name} + LoRA", check_finite=False
+            keep_t = not sharded or with_t
+            q, s, qt, st, amax = backend.quantize_weight(
+                w,
+                base.weight_block_size,
+                base.pow2_scales,
+                f"{base.fp8_name} + LoRA",
+                check_finite=False,
+                with_t=keep_t and w.is_cuda,
             )
-            if sharded and not with_t:
-                transposed = (None, None)
-            else:
-                transposed = (q.t().contiguous(), s.t().contiguous()) if w.is_cuda else (q.t(), s.t())
-            entry = (key, q, s, *transposed, amax)
+            entry = (key, q, s, *((qt, st) if keep_t else (None, None)), amax)
         if check_finite and entry[5] is not None:
             if not bool(torch.isfinite(entry[5]).all()):  # one host sync per export, none per forward
                 _raise_nonfinite(merged_weight(self, adapters), f"{base.fp8_name} + LoRA")

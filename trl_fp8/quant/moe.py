@@ -135,7 +135,7 @@ class FP8Experts(ExpertsGate, nn.Module):
             # Every expert's rows are whole 128-row blocks (conversion checks), so the experts stacked as one
             # (E * N, K) matrix quantize exactly as each alone: one launch of the backend's weight kernel for all.
             e, n, k = w.shape
-            q, s, amax = self._backend(w.device).quantize_weight(
+            q, s, _, _, amax = self._backend(w.device).quantize_weight(
                 w.detach().reshape(e * n, k), (128, 128), self.pow2_scales, "", check_finite=False
             )
             entry = (key, q.view(e, n, k), s.view(e, n // 128, s.shape[-1]), amax)
@@ -185,11 +185,13 @@ class FP8Experts(ExpertsGate, nn.Module):
         fused, backend, sharded = getattr(self, which), self._backend(x.device), self.requantizes_in_backward(which)
         weight = fused[e]  # a view: its gradient lands in the fused Parameter
         if sharded:  # nothing cached: this expert alone (the same bits as stacked)
-            q, s, _ = backend.quantize_weight(weight.detach(), (128, 128), self.pow2_scales, "", check_finite=False)
+            q, s, qt, st, _ = backend.quantize_weight(
+                weight.detach(), (128, 128), self.pow2_scales, "", check_finite=False
+            )
         else:
             q, s = (t[e] for t in self.quantized(which, check_finite=False))
-        # Wᵀ stays a view of the FP8 weight here; a backend that needs it K-major copies it.
-        qt, st = q.t(), s.t()
+            # Wᵀ stays a view of the FP8 weight here; a backend that needs it K-major copies it.
+            qt, st = q.t(), s.t()
         # Quantized again from the expert's weight, a view saved for the backward: under FSDP2 only, which refills
         # the very storage the view reads (DeepSpeed gathers into new storage, and the view would keep the old one).
         if sharded and not hasattr(fused, "ds_id"):

@@ -190,10 +190,10 @@ class FP8SiblingGroup:
             w = torch.cat([w.detach() for w in ws])
             backend = self.backend(w.device)
             names = "+".join(m.fp8_name for m in self.members)
-            q, s, amax = backend.quantize_weight(w, (128, 128), self.pow2_scales, names, check_finite=False)
             contiguous = w.is_cuda and any(w.requires_grad for w in ws)
-            qt, st = (q.t().contiguous(), s.t().contiguous()) if contiguous else (q.t(), s.t())
-            entry = (key, q, s, qt, st, amax)
+            entry = (key,) + backend.quantize_weight(
+                w, (128, 128), self.pow2_scales, names, check_finite=False, with_t=contiguous
+            )
         if check_finite and entry[5] is not None:
             if not bool(torch.isfinite(entry[5]).all()):
                 for m in self.members:  # name the culprit, not the stack

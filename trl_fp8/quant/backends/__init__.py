@@ -5,8 +5,9 @@
 - `quantize_act(x2d, pow2_scales, with_t)`: X in 1x128 blocks along K, and Xᵀ in 1x128 blocks along M for wgrad;
   it may pad (zero rows of X, zero columns of Xᵀ) to the layout its `gemm` reads without copying, so callers slice a
   GEMM's output to their row count.
-- `quantize_weight(w, block, pow2_scales, name, check_finite)`: W in `block` blocks -> `(q, scale_inv, amax)`,
-  refusing NaN/inf with the parameter's name, or handing back the block amax to check later (`amax` is else None).
+- `quantize_weight(w, block, pow2_scales, name, check_finite, with_t)`: W in `block` blocks -> `(q, scale_inv, qt,
+  scale_inv_t, amax)`, refusing NaN/inf with the parameter's name, or handing back the block amax to check later
+  (`amax` is else None). Wᵀ (dgrad's operand) is contiguous with `with_t`, else a view of `q`.
 
 The backends:
 

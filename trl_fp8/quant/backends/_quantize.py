@@ -53,26 +53,46 @@ def fast_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
     return quantize_act(x2d, pow2_scales=pow2_scales, with_t=with_t)
 
 
-def reference_weight(w: torch.Tensor, block: tuple[int, int], pow2_scales: bool, name: str, check_finite: bool = True):
-    """`(q, scale_inv, amax)`: with `check_finite` the reference raises itself, naming `name` (amax is None); without,
-    `amax` is W's absolute max (NaN and inf survive a max), for the caller to check when it syncs anyway."""
+def reference_weight(
+    w: torch.Tensor,
+    block: tuple[int, int],
+    pow2_scales: bool,
+    name: str,
+    check_finite: bool = True,
+    with_t: bool = False,
+):
+    """`(q, scale_inv, qt, scale_inv_t, amax)`: with `check_finite` the reference raises itself, naming `name`
+    (amax is None); without, `amax` is W's absolute max (NaN and inf survive a max), for the caller to check when it
+    syncs anyway. Wᵀ is a copy with `with_t`, else a view (see `fast_weight`)."""
     q, s = quantize_blockwise(w, block, pow2_scales=pow2_scales, check_finite=check_finite, name=name)
-    return q, s, None if check_finite else w.detach().abs().amax()
+    qt, st = (q.t().contiguous(), s.t().contiguous()) if with_t else (q.t(), s.t())
+    return q, s, qt, st, None if check_finite else w.detach().abs().amax()
 
 
-def fast_weight(w: torch.Tensor, block: tuple[int, int], pow2_scales: bool, name: str, check_finite: bool = True):
-    """W (N, K) in `block` blocks -> `(q, scale_inv, block_amax)`. With `check_finite`, NaN or inf raise a
-    `ValueError` naming `name` (a host sync); without, the caller gets the block amax to check when it syncs anyway.
+def fast_weight(
+    w: torch.Tensor,
+    block: tuple[int, int],
+    pow2_scales: bool,
+    name: str,
+    check_finite: bool = True,
+    with_t: bool = False,
+):
+    """W (N, K) in `block` blocks -> `(q, scale_inv, qt, scale_inv_t, block_amax)`. Wᵀ (`qt`, `scale_inv_t`), dgrad's
+    operand, is contiguous with `with_t` (the K-major layout a GPU's FP8 MMA reads; the Triton kernel writes it in
+    the same pass), else a view of `q` and `scale_inv`. With `check_finite`, NaN or inf raise a `ValueError` naming
+    `name` (a host sync); without, the caller gets the block amax to check when it syncs anyway.
     """
     if tuple(block) != (128, 128) or not _use_triton(w):
-        return reference_weight(w, block, pow2_scales, name, check_finite)
+        return reference_weight(w, block, pow2_scales, name, check_finite, with_t)
     from .triton_kernels import quantize_weight
 
-    q, s, amax = quantize_weight(w, pow2_scales=pow2_scales)
+    q, s, qt, st, amax = quantize_weight(w, pow2_scales=pow2_scales, with_t=with_t)
     if check_finite:
         check_amax(amax, w, name)
         amax = None
-    return q, s, amax
+    if not with_t:
+        qt, st = q.t(), s.t()
+    return q, s, qt, st, amax
 
 
 def check_amax(amax: torch.Tensor, x: torch.Tensor, name: str) -> None:

@@ -9,7 +9,8 @@ keep NaN as the reference's do (a block holding one gets scale 1, its NaN stays 
 
 - `quantize_act`: one read of X (M, K) writes both usages TE's column-wise recipe needs: X in 1x128 blocks along K
   (fprop, dgrad) and Xᵀ (K, M) in 1x128 blocks along M (wgrad), the transpose fused into the same pass.
-- `quantize_weight`: 128x128 blocks, with the block amax kept for the finiteness check.
+- `quantize_weight`: 128x128 blocks, with the block amax kept for the finiteness check, and Wᵀ (dgrad's K-major
+  operand) written from the same registers.
 """
 
 import torch
@@ -110,8 +111,8 @@ def quant_act_kernel(
 
 @triton.jit
 def quant_weight_kernel(
-    w_ptr, q_ptr, s_ptr, amax_ptr, N, K, stride_wn, stride_wk, KB,
-    POW2: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, N, K, stride_wn, stride_wk, NB, KB,
+    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -128,8 +129,18 @@ def quant_weight_kernel(
         rows = pid_n.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(w.to(tl.float32), scale), mask=mask)
-    tl.store(s_ptr + pid_n * KB + pid_k, tl.math.div_rn(1.0, scale))
+        q = _cast(w.to(tl.float32), scale)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+        if WITH_T:
+            # Wᵀ (K, N), dgrad's K-major operand, from the codes in registers: a copy of W's codes afterwards
+            # (`q.t().contiguous()`) ran at 0.35 TB/s on an H200 (benchmarks/RESULTS.md, 2026-12-04). The store is
+            # the act kernel's pass 2, row slices written transposed.
+            t_mask = (cols[:, None] < K) & (rows[None, :] < N)
+            tl.store(qt_ptr + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+    scale_inv = tl.math.div_rn(1.0, scale)
+    tl.store(s_ptr + pid_n * KB + pid_k, scale_inv)
+    if WITH_T:
+        tl.store(st_ptr + pid_k * NB + pid_n, scale_inv)
     tl.store(amax_ptr + pid_n * KB + pid_k, amax)
 
 
@@ -164,7 +175,7 @@ quant_act_kernel_tuned = triton.autotune(
 )(quant_act_kernel)
 quant_weight_kernel_tuned = triton.autotune(
     configs=_QUANT_CONFIGS,
-    key=["K"],
+    key=["K", "WITH_T"],
     prune_configs_by={"early_config_prune": _only_in_interpreter(INTERPRETER_CONFIG)},
     **_UNTIMED,
 )(quant_weight_kernel)
@@ -214,13 +225,25 @@ def quantize_act(
     return (q, s, qt, st) if with_t else (q, s, None, None)
 
 
-def quantize_weight(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W (N, K) -> `(q, scale_inv (ceil(N/128), ceil(K/128)), block_amax)` in 128x128 blocks."""
+def quantize_weight(
+    w: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """W (N, K) -> `(q, scale_inv (ceil(N/128), ceil(K/128)), qt, scale_inv_t, block_amax)` in 128x128 blocks; with
+    `with_t` also Wᵀ's codes (K, N) and scales (ceil(K/128), ceil(N/128)), contiguous, written in the same pass
+    (else None). `config` as `quantize_act`'s."""
     n, k = w.shape
     nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     amax = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    args = (w, q, s, amax, n, k, w.stride(0), w.stride(1), kb)
-    quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, BLOCK=128)
-    return q, s, amax
+    if with_t:
+        qt = torch.empty((k, n), dtype=torch.float8_e4m3fn, device=w.device)
+        st = torch.empty((kb, nb), dtype=torch.float32, device=w.device)
+    else:
+        qt, st = q, s  # never written
+    args = (w, q, s, qt, st, amax, n, k, w.stride(0), w.stride(1), nb, kb)
+    if config is not None:
+        quant_weight_kernel[(nb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
+    else:
+        quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
+    return (q, s, qt, st, amax) if with_t else (q, s, None, None, amax)
