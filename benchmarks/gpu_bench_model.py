@@ -16,6 +16,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant.moe import FP8Experts
+from trl_fp8.quant.siblings import MLP_SIBLING_SETS, group_siblings
 
 
 def timed(fn, device, warmup=3, iters=10) -> float:
@@ -51,8 +52,8 @@ _BASE_MODEL: dict[str, nn.Module] = {}
 
 def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: int):
     """`(model, optimizer, step, losses)` of the training step (d) times and (h) profiles, for `label` ("bf16", an
-    FP8 backend, or "<backend> unfused": q/k/v and gate/up run alone); every label starts from the same random
-    weights and tokens."""
+    FP8 backend, "<backend> unfused": q/k/v and gate/up run alone, or "<backend> mlp-stacked": gate/up stacked as
+    well as q/k/v, the default before 2026-12-04); every label starts from the same random weights and tokens."""
     key = config.to_json_string()
     if key not in _BASE_MODEL:
         # A 1B model's random init on the CPU takes tens of seconds: once per run and shape, not per precision and
@@ -63,6 +64,8 @@ def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: in
     if label != "bf16":
         backend, _, variant = label.partition(" ")
         convert_to_fp8(model, FP8Recipe(backend=backend, fuse_siblings=variant != "unfused"))
+        if variant == "mlp-stacked":
+            group_siblings(model, MLP_SIBLING_SETS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
@@ -80,8 +83,10 @@ def train_setup(device, label: str, config: LlamaConfig, seq_len: int, batch: in
 
 def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iters, unfused=False):
     out = {}
-    # `unfused`: the first backend once more with its sibling linears alone, to show what stacking them gives.
-    extra = [f"{next(iter(backends))} unfused"] if unfused and backends and next(iter(backends)) != "te" else []
+    # `unfused`: the first backend once more with its sibling linears alone, to show what stacking them gives, and
+    # with gate/up stacked too, to show what leaving them alone gives.
+    first = next(iter(backends), "te")
+    extra = [f"{first} unfused", f"{first} mlp-stacked"] if unfused and first != "te" else []
     for label in ("bf16", *backends, *extra):
         model, opt, step, losses = train_setup(device, label, config, seq_len, batch)
         if device.type == "cuda":

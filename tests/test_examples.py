@@ -359,7 +359,8 @@ def test_gpu_bench_smoke(scripts):
     # Emulated on a CPU often "beats" CPU BF16: a smoke run must not report targets as met.
     assert report["targets_met"] == {} and "Targets: not judged (a --smoke run" in md and " met" not in md
     first = report["backends"][0]
-    assert report["train_step"][f"{first} unfused"]["ratio"] > 0  # what stacking the sibling linears gives
+    # What stacking q/k/v gives, and what stacking gate/up as well would.
+    assert all(report["train_step"][f"{first} {v}"]["ratio"] > 0 for v in ("unfused", "mlp-stacked"))
     # The 8B-layer step: its own model, every backend, in the report and the figure's (d) panel.
     assert all(report["train_step_8b"][b]["ratio"] > 0 for b in report["backends"])
     assert "(d, e) training step, two Llama-3.1-8B layers" in md

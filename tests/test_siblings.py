@@ -1,5 +1,6 @@
 """Sibling linears (q/k/v, gate/up) as one stacked FP8 GEMM: the same model, gradients and sync stream as running
-each linear alone, on real tiny Llama and Qwen2 models (Qwen2 has q/k/v biases)."""
+each linear alone, on real tiny Llama and Qwen2 models (Qwen2 has q/k/v biases). Conversion stacks q/k/v; the tests
+stack gate/up as well (`MLP_SIBLING_SETS`), so that groups of two and of three both run."""
 
 import copy
 import gc
@@ -18,14 +19,14 @@ from trl_fp8.quant import FP8Linear
 from trl_fp8.quant.backends import emulated, torch_scaled_mm
 from trl_fp8.quant.export import iter_fp8_state
 from trl_fp8.quant.fp8_checkpoint import save_fp8_checkpoint
-from trl_fp8.quant.siblings import FP8SiblingGroup
+from trl_fp8.quant.siblings import MLP_SIBLING_SETS, FP8SiblingGroup, group_siblings
 
 
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 
 def _pair(arch: str, backend: str = "emulated", **config):
-    """The same random model converted twice: siblings stacked, and each linear alone."""
+    """The same random model converted twice: siblings stacked (q/k/v and gate/up), and each linear alone."""
     config_cls, model_cls = MODELS[arch]
     torch.manual_seed(0)
     base = model_cls(config_cls(**tiny_config_kwargs(**config)))
@@ -34,6 +35,7 @@ def _pair(arch: str, backend: str = "emulated", **config):
             if name.endswith("bias"):
                 torch.nn.init.normal_(p, std=0.5)
     fused = convert_to_fp8(copy.deepcopy(base), FP8Recipe(backend=backend))
+    group_siblings(fused, MLP_SIBLING_SETS)
     alone = convert_to_fp8(copy.deepcopy(base), FP8Recipe(backend=backend, fuse_siblings=False))
     return fused, alone
 
@@ -66,6 +68,19 @@ def test_stacked_siblings_are_the_same_model(arch):
     assert all(torch.equal(stream_f[n].view(torch.uint8), stream_a[n].view(torch.uint8)) for n in stream_a if
                stream_a[n].dtype == torch.float8_e4m3fn)  # fmt: skip
     assert all(torch.equal(stream_f[n], stream_a[n]) for n in stream_a if stream_a[n].dtype != torch.float8_e4m3fn)
+
+
+def test_conversion_stacks_q_k_v_and_leaves_gate_up_contiguous():
+    """By default only q/k/v stack: gate_proj's and up_proj's outputs are then whole tensors of their own, on which
+    the model's SiLU and product run vectorized; stacked they would be column slices of one output."""
+    torch.manual_seed(0)
+    model = convert_to_fp8(LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))), FP8Recipe())
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert [m.fp8_name.rsplit(".", 2)[-2] for m in attn.q_proj._siblings.members] == ["q_proj", "k_proj", "v_proj"]
+    assert mlp.gate_proj._siblings is None and mlp.up_proj._siblings is None
+    x = torch.randn(2, 5, 256)
+    assert mlp.gate_proj(x).is_contiguous() and mlp.up_proj(x).is_contiguous()
+    assert len(group_siblings(model, MLP_SIBLING_SETS)) == 1 and not mlp.gate_proj(x).is_contiguous()
 
 
 def test_in_bf16_stacking_is_as_accurate_as_running_alone():

@@ -41,10 +41,10 @@ class FP8Recipe(PushToHubMixin):
             Module name patterns kept in high precision: a pattern matches a module whose qualified name equals it,
             ends with `.pattern`, or contains it as a dotted component run (`"mlp.down_proj"`); `*` and `?` glob.
         fuse_siblings (`bool`, *optional*, defaults to `True`):
-            Run linears that read one input (q/k/v, gate/up) as one stacked FP8 GEMM per pass, as Megatron's fused
-            `linear_qkv` / `linear_fc1` do (`trl_fp8.quant.siblings`). Names, Parameters, checkpoints and the sync
-            stream are unchanged, and so is every quantization; `False` runs each linear alone. Not used by the
-            `te` backend.
+            Run attention's q/k/v, which read one input, as one stacked FP8 GEMM per pass, as Megatron's fused
+            `linear_qkv` does (`trl_fp8.quant.siblings`). Names, Parameters, checkpoints and the sync stream are
+            unchanged, and so is every quantization; `False` runs each linear alone. A gated MLP's gate/up stay
+            two GEMMs (`trl_fp8.quant.siblings.MLP_SIBLING_SETS` says why). Not used by the `te` backend.
     """
 
     weight_block_size: list[int] = field(default_factory=lambda: [128, 128])

@@ -215,7 +215,7 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
     (transformers' `get_decoder()`) is converted. With `backend="te"` (or
     `"auto"` on a GPU where TransformerEngine runs the recipe), the linears become TransformerEngine linears
     instead (weights copied, names unchanged); fused MoE experts always use `FP8Experts`. With the recipe's
-    `fuse_siblings`, q/k/v and gate/up then run as one stacked GEMM each (`trl_fp8.quant.siblings`).
+    `fuse_siblings`, q/k/v then run as one stacked GEMM (`trl_fp8.quant.siblings`).
     """
     from ..recipe import FP8Recipe
     from .moe import FP8Experts

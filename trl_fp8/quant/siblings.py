@@ -4,7 +4,8 @@ transformers' Llama and Qwen keep q, k and v (gate and up) as separate linears; 
 come from, fuses them (`linear_qkv`, `linear_fc1`), and TransformerEngine offers the same (`fuse_qkv_params`). One
 GEMM over the stacked weights replaces three, each of whose small N (k and v have 1/4 to 1/8 of q's rows under GQA)
 would run the tensor cores below their rate, and the backward quantizes the siblings' output gradients once and runs
-one dgrad instead of three plus two additions.
+one dgrad instead of three plus two additions. Conversion stacks q/k/v only; gate/up stack when asked
+(`MLP_SIBLING_SETS`: why not by default there).
 
 Nothing else changes: each sibling keeps its Parameters, name, `state_dict` key and optimizer state, and exports its
 own rows of the stacked FP8 weight. Every sibling's rows are whole 128-row blocks (conversion requires it), so no
@@ -29,7 +30,14 @@ from .blockwise import _raise_nonfinite
 from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, version_of, weights_epoch
 
 
-SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# Stacked by conversion: q/k/v. Attention views their outputs as heads and transposes them (strided in BF16 too),
+# and under GQA k and v alone are small GEMMs that run the tensor cores below their rate.
+SIBLING_SETS = (("q_proj", "k_proj", "v_proj"),)
+# Stacked only when asked (`group_siblings(model, SIBLING_SETS + MLP_SIBLING_SETS)`). Their outputs feed SiLU and a
+# product, and these elementwise ops ran non-vectorized on column slices of one stacked output: 12.8 ms of a 342 ms
+# Llama-3.2-1B step on an H200, against nothing to gain from stacking two equal, large GEMMs (benchmarks/RESULTS.md,
+# 2026-12-04). Megatron's stacked `linear_fc1` pays off with its fused SwiGLU kernel, which HF models lack.
+MLP_SIBLING_SETS = (("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 class _FP8SiblingsFunction(torch.autograd.Function):
@@ -238,12 +246,12 @@ class FP8SiblingGroup:
             self._pending = None
 
 
-def group_siblings(model: torch.nn.Module) -> list[FP8SiblingGroup]:
-    """Groups the `FP8Linear` children of each module that form (part of) a `SIBLING_SETS` entry with one recipe;
+def group_siblings(model: torch.nn.Module, sets: tuple[tuple[str, ...], ...] = SIBLING_SETS) -> list[FP8SiblingGroup]:
+    """Groups the `FP8Linear` children of each module that form (part of) an entry of `sets` with one recipe;
     returns the new groups. Members already grouped are left alone."""
     groups = []
     for module in model.modules():
-        for names in SIBLING_SETS:
+        for names in sets:
             members = [getattr(module, n, None) for n in names]
             members = [m for m in members if type(m) is FP8Linear and m._siblings is None]
             if len(members) < 2:
