@@ -107,6 +107,8 @@ def markdown(results) -> str:
         bound = step_bound(results)
         if bound:
             lines += ["", bound]
+    if "profile_1seq" in results:
+        lines += profile_markdown(results["profile_1seq"])
     if not_judged(results):
         lines += ["", f"Targets: not judged ({not_judged(results)})."]
     elif "targets_met" in results:

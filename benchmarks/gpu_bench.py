@@ -240,6 +240,8 @@ def main():
         ("train_step_8b", lambda: bench_train_step(device, backends, config_8b, seq, batch, max(2, iters // 2))),
         # One sequence per step: small GEMMs, where per-kernel overheads show.
         ("train_step_1seq", lambda: bench_train_step(device, dict(list(backends.items())[:1]), config, seq, 1, 4)),
+        # Whether that step waits on the GPU or on the host (busy share), which 4 x 4096 tokens cannot tell.
+        ("profile_1seq", lambda: bench_profile(device, dict(list(backends.items())[:1]), config, seq, 1)),
     ]
     for name, run in sections:
         if time.perf_counter() - started > args.budget_s:

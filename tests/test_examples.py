@@ -354,6 +354,7 @@ def test_gpu_bench_smoke(scripts):
         assert profile["emulated"]["categories"]["fp8 quantize"]["ms"] > 0
     md = (out / "gpu_bench.md").read_text()
     assert "(h) where a training step's time goes" in md
+    assert f"(h) where a training step's time goes, 1 x {report['train_step']['shape'].split()[2]} tokens" in md
     assert f"| category | {' | '.join(['bf16', *report['backends']])} |" in md
     assert "Bound on (d): GEMMs are" in md
     # Emulated on a CPU often "beats" CPU BF16: a smoke run must not report targets as met.
