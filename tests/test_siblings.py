@@ -101,7 +101,7 @@ def test_in_bf16_stacking_is_as_accurate_as_running_alone():
 
 
 def test_one_gemm_and_one_gradient_quantization_per_group(monkeypatch):
-    calls = {"gemm": 0, "quantize_act": 0}
+    calls = {"gemm": 0, "quantize_act": 0, "quantize_act_columns": 0}
     for name in calls:
         original = getattr(emulated, name)
 
@@ -119,9 +119,10 @@ def test_one_gemm_and_one_gradient_quantization_per_group(monkeypatch):
         _step(model, ids)
         per_layer[label] = dict(calls)
     # Alone: 7 linears x (fprop + dgrad + wgrad) GEMMs; X quantized 4 times (q/k/v and gate/up share theirs), dY 7.
-    assert per_layer["alone"] == {"gemm": 21, "quantize_act": 11}
-    # Stacked: q|k|v and gate|up run one fprop and one dgrad each, wgrad per linear; dY quantized once per group.
-    assert per_layer["fused"] == {"gemm": 4 * 2 + 7, "quantize_act": 4 + 4}
+    assert per_layer["alone"] == {"gemm": 21, "quantize_act": 11, "quantize_act_columns": 0}
+    # Stacked: q|k|v and gate|up run one fprop and one dgrad each, wgrad per linear; dY quantized once per group
+    # (into its columns, member by member), o's and down's alone.
+    assert per_layer["fused"] == {"gemm": 4 * 2 + 7, "quantize_act": 4 + 2, "quantize_act_columns": 2}
 
 
 def test_any_call_order_and_input_is_right():

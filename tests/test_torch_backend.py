@@ -15,7 +15,7 @@ from conftest import sqnr_db, triton_marks
 
 from trl_fp8.quant import quantize_blockwise
 from trl_fp8.quant.backends import emulated
-from trl_fp8.quant.backends._quantize import fast_act, fast_weight
+from trl_fp8.quant.backends._quantize import fast_act, fast_act_columns, fast_weight
 from trl_fp8.quant.backends.torch_scaled_mm import cublas_operands
 
 
@@ -163,15 +163,25 @@ def test_training_path_operands_need_no_copy(tokens):
 
 @_triton
 @pytest.mark.parametrize("tokens", [100, 300])  # one token block (a size-1 scale dim) and three
-def test_stacked_siblings_wgrad_operands(tokens):
-    """Stacked q|k|v quantize their output gradient once; each member's wgrad takes its rows of dYᵀ, whose scales
-    are then a row slice (strides (1, N_total)): they must reach `F.scaled_mm` with strides (1, N_member)."""
+def test_stacked_siblings_operands_need_no_copy(tokens):
+    """Stacked q|k|v quantize their output gradients into one dY (dgrad) and each member's dYᵀ apart (wgrad): all of
+    them reach `F.scaled_mm` as the quantizer made them. (Row slices of one dYᵀ, as before, had scales with strides
+    (1, N_total), which cost a copy each: still correct, and checked here too.)"""
     torch.manual_seed(0)
-    _, _, dyt_q, dyt_s = fast_act(torch.randn(tokens, 512, device=DEVICE), False, True)
+    dys = [torch.randn(tokens, n, device=DEVICE) for n in (256, 128, 128)]
+    dy_q, dy_s, dyt_qs, dyt_ss = fast_act_columns(dys, False, True)
     _, _, xt_q, xt_s = fast_act(torch.randn(tokens, 256, device=DEVICE), False, True)
-    for r0, r1 in ((0, 256), (256, 384), (384, 512)):
-        a, sa = dyt_q[r0:r1], dyt_s[r0:r1]
-        mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, sa, xt_q, xt_s, (1, 128))
+    w_q, w_s, w_qt, w_st, _ = fast_weight(torch.randn(512, 256, device=DEVICE), (128, 128), False, "w", with_t=True)
+    cases = {"dgrad": ((dy_q, dy_s, w_qt, w_st), (128, 128))}
+    for i, (q, st) in enumerate(zip(dyt_qs, dyt_ss, strict=True)):
+        cases[f"wgrad {i}"] = ((q, st, xt_q, xt_s), (1, 128))
+    _, _, dyt_q, dyt_s = fast_act(torch.cat(dys, 1), False, True)
+    rows = ((0, 256), (256, 384), (384, 512))
+    cases |= {f"wgrad {i}, row slice": ((dyt_q[r0:r1], dyt_s[r0:r1], xt_q, xt_s), (1, 128)) for i, (r0, r1) in
+              enumerate(rows)}  # fmt: skip
+    for name, ((a, sa, b, sb), block) in cases.items():
+        mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b = cublas_operands(a, sa, b, sb, block)
         assert_scaled_mm_layout(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b)
-        ref = emulated.gemm(a, sa, xt_q, xt_s, (1, 128), torch.float32)
-        assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100
+        assert "row slice" in name or _no_copy((mat_a, mat_b, scale_a, scale_b), (a, b, sa, sb)), name
+        ref = emulated.gemm(a, sa, b, sb, block, torch.float32)
+        assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100, name

@@ -111,6 +111,45 @@ def test_fused_act_quantization_matches_reference_on_random_inputs(pow2, act):
         assert torch.equal(_codes(q), _codes(rq)) and torch.equal(_codes(qt), _codes(rqt))
 
 
+@pytest.mark.parametrize("config", [None, *_quant_configs()], ids=_config_id)
+@pytest.mark.parametrize("rows", [9, 130])
+def test_act_columns_quantize_as_one_operand_without_making_it(rows, config):
+    """Stacked siblings' output gradients, each quantized into its columns of one operand: the same bytes (padding
+    included) as quantizing their concatenation, and each member's Xᵀ as quantizing it alone, in the layout cuBLAS
+    reads (scale strides (1, N_member)). Members of other magnitudes, a NaN, and one stored column-major."""
+    from trl_fp8.quant.backends.triton_kernels import quantize_act, quantize_act_columns
+
+    torch.manual_seed(rows)
+    xs = [torch.randn(rows, w).to(DEVICE, torch.bfloat16) for w in (256, 128, 128)]
+    xs[1] = xs[1] * 1e3
+    xs[2][rows - 1, 5] = float("nan")
+    xs[2] = xs[2].t().contiguous().t()
+    q, s, qts, sts = quantize_act_columns(xs, pow2_scales=False, with_t=True, config=config)
+    rq, rs, _, _ = quantize_act(torch.cat(xs, 1), pow2_scales=False, with_t=False, config=config)
+    assert torch.equal(_codes(q), _codes(rq)) and torch.equal(s, rs) and s.stride() == rs.stride()
+    for x, qt, st in zip(xs, qts, sts, strict=True):
+        _, _, rqt, rst = quantize_act(x, pow2_scales=False, with_t=True, config=config)
+        assert torch.equal(_codes(qt), _codes(rqt)) and torch.equal(st, rst) and st.stride() == (1, x.shape[1])
+    q2, s2, none_qts, _ = quantize_act_columns(xs, pow2_scales=False, with_t=False, config=config)
+    assert torch.equal(_codes(q2), _codes(q)) and torch.equal(s2, s) and none_qts == [None] * 3
+
+
+def test_act_columns_by_the_reference_and_refuse_straddling_blocks():
+    """The reference's columns equal its quantization of the concatenation; a member that is not whole 128-column
+    blocks is refused by name of the shapes, on both paths, before anything is quantized."""
+    from trl_fp8.quant.backends._quantize import fast_act_columns, reference_act_columns
+
+    xs = [torch.randn(5, 256), torch.randn(5, 128) * 1e-3]
+    q, s, qts, sts = reference_act_columns(xs, False, True)
+    rq, rs = quantize_blockwise(torch.cat(xs, 1), (1, 128))
+    assert torch.equal(_codes(q), _codes(rq)) and torch.equal(s, rs)
+    assert torch.equal(_codes(qts[1]), _codes(quantize_blockwise(xs[1].t(), (1, 128))[0]))
+    bad = [torch.randn(5, 200).to(DEVICE), torch.randn(5, 128).to(DEVICE)]
+    for fn in (reference_act_columns, fast_act_columns):
+        with pytest.raises(ValueError, match=r"whole 128-column blocks.*\[\(5, 200\), \(5, 128\)\]"):
+            fn(bad, False, True)
+
+
 def _codes_with_nonfinite(rows: int, cols: int) -> torch.Tensor:
     """Every finite E4M3 value (pow2 scales >= 1 keep them exact, and so does the scale 1 of a non-finite block),
     with NaN and +-inf planted in different 1x128 and 128x128 blocks, one in a partial block."""

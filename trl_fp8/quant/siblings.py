@@ -45,9 +45,9 @@ class _FP8SiblingsFunction(torch.autograd.Function):
 
     - fprop: Y[M, N]       = X[M, K] · W[N, K]ᵀ        X in 1x128 blocks along K, W in 128x128 blocks
     - dgrad: dX[M, K]      = dY[M, N] · W[N, K]        dY (the siblings' output gradients side by side) in 1x128
-      blocks along N, quantized once; W's FP8 bits and scales transposed, cached per step
-    - wgrad: dW_i[N_i, K]  = dY_iᵀ[N_i, M] · X[M, K]   per sibling, on its rows of the one dYᵀ quantization and the
-      shared Xᵀ, both in 1x128 blocks along M (fresh tensors: each Parameter's gradient is its own)
+      blocks along N, each quantized into its columns; W's FP8 bits and scales transposed, cached per step
+    - wgrad: dW_i[N_i, K]  = dY_iᵀ[N_i, M] · X[M, K]   per sibling, on its dY_iᵀ (made with its columns of dY) and
+      the shared Xᵀ, both in 1x128 blocks along M (fresh tensors: each Parameter's gradient is its own)
 
     Every GEMM accumulates in fp32; biases and their gradients stay in high precision.
     """
@@ -81,19 +81,21 @@ class _FP8SiblingsFunction(torch.autograd.Function):
     def backward(ctx, *dys):
         w_fp8_t, w_s_t, xt_fp8, xt_s = ctx.saved_tensors
         group, backend, n = ctx.group, ctx.backend, len(ctx.group.members)
-        dy2d = torch.cat([dy.reshape(-1, dy.shape[-1]) for dy in dys], dim=1)
-        m = dy2d.shape[0]
+        dy2ds = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        m = dy2ds[0].shape[0]
         needs_w = ctx.needs_input_grad[3 : 3 + n]
-        dy_fp8, dy_s, dyt_fp8, dyt_s = backend.quantize_act(dy2d, group.pow2_scales, any(needs_w))
+        # Each dY_i straight into its columns of the stacked FP8 dY: a `torch.cat` of the BF16 dYs first cost 5 ms of
+        # a 342 ms step on an H200 (RESULTS 2026-12-04). Each member's dYᵢᵀ comes apart, in the layout wgrad reads.
+        dy_fp8, dy_s, dyt_fp8s, dyt_ss = backend.quantize_act_columns(dy2ds, group.pow2_scales, any(needs_w))
         dx = None
         if ctx.needs_input_grad[0]:
             dx = backend.gemm(dy_fp8, dy_s, w_fp8_t, w_s_t, (128, 128), ctx.x_dtype)[:m].reshape(ctx.x_shape)
         dws, dbs = [None] * n, [None] * n
-        for i, (r0, r1) in enumerate(group.rows):
+        for i in range(n):
             if needs_w[i]:
-                dws[i] = backend.gemm(dyt_fp8[r0:r1], dyt_s[r0:r1], xt_fp8, xt_s, (1, 128), ctx.w_dtypes[i])
+                dws[i] = backend.gemm(dyt_fp8s[i], dyt_ss[i], xt_fp8, xt_s, (1, 128), ctx.w_dtypes[i])
             if ctx.has_bias[i] and ctx.needs_input_grad[3 + n + i]:
-                dbs[i] = dy2d[:, r0:r1].sum(0)
+                dbs[i] = dy2ds[i].sum(0)
         return dx, None, None, *dws, *dbs
 
 

@@ -1,10 +1,12 @@
-"""FP8 backends behind one narrow interface, three functions per backend module:
+"""FP8 backends behind one narrow interface, four functions per backend module:
 
 - `gemm(a, a_scale_inv, b, b_scale_inv, b_block, out_dtype)`: `A @ B.T` for A (M, K) quantized in 1x128 blocks and
   B (N, K) in `b_block` blocks, both along K.
 - `quantize_act(x2d, pow2_scales, with_t)`: X in 1x128 blocks along K, and Xᵀ in 1x128 blocks along M for wgrad;
   it may pad (zero rows of X, zero columns of Xᵀ) to the layout its `gemm` reads without copying, so callers slice a
   GEMM's output to their row count.
+- `quantize_act_columns(x2ds, pow2_scales, with_t)`: `quantize_act` of the columns [X_1 | ... | X_n] without making
+  them one tensor (stacked siblings' output gradients), with each member's Xᵢᵀ apart.
 - `quantize_weight(w, block, pow2_scales, name, check_finite, with_t)`: W in `block` blocks -> `(q, scale_inv, qt,
   scale_inv_t, amax)`, refusing NaN/inf with the parameter's name, or handing back the block amax to check later
   (`amax` is else None). Wᵀ (dgrad's operand) is contiguous with `with_t`, else a view of `q`.

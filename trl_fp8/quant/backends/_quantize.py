@@ -53,6 +53,37 @@ def fast_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
     return quantize_act(x2d, pow2_scales=pow2_scales, with_t=with_t)
 
 
+def _check_columns(x2ds: list[torch.Tensor]) -> None:
+    widths = [x.shape[1] for x in x2ds]
+    if any(w % 128 for w in widths) or len({x.shape[0] for x in x2ds}) != 1:
+        raise ValueError(
+            "quantize_act_columns takes members of one row count, each whole 128-column blocks (a block must not "
+            f"straddle two), got shapes {[tuple(x.shape) for x in x2ds]}"
+        )
+
+
+def reference_act_columns(x2ds: list[torch.Tensor], pow2_scales: bool, with_t: bool):
+    """`fast_act_columns` by the reference: each member alone, the row-wise usages side by side."""
+    _check_columns(x2ds)
+    outs = [reference_act(x, pow2_scales, with_t) for x in x2ds]
+    q, s = torch.cat([o[0] for o in outs], dim=1), torch.cat([o[1] for o in outs], dim=1)
+    return q, s, [o[2] for o in outs], [o[3] for o in outs]
+
+
+def fast_act_columns(x2ds: list[torch.Tensor], pow2_scales: bool, with_t: bool):
+    """X = [X_1 | ... | X_n] (each X_i (M, K_i) in whole 128-column blocks) -> `(q, scale_inv, qts, scale_inv_ts)`:
+    X's row-wise usage as `fast_act(X)` gives it, written member by member without making X, and the column-wise
+    usage Xᵢᵀ one per member (None without `with_t`). Stacked sibling linears' output gradients: one dgrad reads q,
+    each member's wgrad its own Xᵢᵀ, whose scales are then in the layout cuBLAS reads (a row slice of one Xᵀ's are
+    not)."""
+    if not all(_use_triton(x) for x in x2ds):
+        return reference_act_columns(x2ds, pow2_scales, with_t)
+    from .triton_kernels import quantize_act_columns
+
+    _check_columns(x2ds)
+    return quantize_act_columns(x2ds, pow2_scales=pow2_scales, with_t=with_t)
+
+
 def reference_weight(
     w: torch.Tensor,
     block: tuple[int, int],

@@ -7,11 +7,12 @@ import torch
 
 from ..blockwise import dequantize_blockwise
 from ._quantize import reference_act as quantize_act
+from ._quantize import reference_act_columns as quantize_act_columns
 from ._quantize import reference_weight as quantize_weight
 
 
 name = "emulated"
-__all__ = ["gemm", "is_available", "quantize_act", "quantize_weight"]
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from ._quantize import fast_act as quantize_act
+from ._quantize import fast_act_columns as quantize_act_columns
 from ._quantize import fast_weight as quantize_weight
 
 
 name = "torch"
-__all__ = ["gemm", "is_available", "quantize_act", "quantize_weight"]
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

@@ -1,16 +1,17 @@
 """The `triton` backend: trl-fp8's own block-scaled FP8 GEMM and fused quantization kernels in Triton
-(`triton_gemm_kernels.py`, `triton_kernels.py`), for Hopper GPUs where `F.scaled_mm`'s blockwise kernel is missing or slower. Tested against
-`emulated` on the same FP8 operands."""
+(`triton_gemm_kernels.py`, `triton_kernels.py`), for Hopper GPUs where `F.scaled_mm`'s blockwise kernel is missing or
+slower. Tested against `emulated` on the same FP8 operands."""
 
 import torch
 
 from ._quantize import fast_act as quantize_act
+from ._quantize import fast_act_columns as quantize_act_columns
 from ._quantize import fast_weight as quantize_weight
 from ._quantize import interpreting, triton_status
 
 
 name = "triton"
-__all__ = ["gemm", "is_available", "quantize_act", "quantize_weight"]
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

@@ -69,7 +69,7 @@ def _amax(x, axis: tl.constexpr):
 @triton.jit
 def quant_act_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-    M, K, M_Q, M_T, stride_xm, stride_xk, stride_sm, stride_sk, stride_stk, stride_stm,
+    M, K, M_Q, M_T, stride_xm, stride_xk, stride_qm, stride_sm, stride_sk, stride_stk, stride_stm,
     POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # One program per 128x128 tile of X, walked in CHUNK-row slices so that few registers are live and many tiles
@@ -89,7 +89,7 @@ def quant_act_kernel(
         scale_r = _scale(_amax(x, 1), POW2)
         # Rows M..M_Q are the zero padding (codes 0, scale_inv 1) that cuBLAS's layout wants: loaded as 0 above.
         q_mask = (rows[:, None] < M_Q) & (cols[None, :] < K)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _cast(x, scale_r[:, None]), mask=q_mask)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], _cast(x, scale_r[:, None]), mask=q_mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M_Q)
         if WITH_T:
             amax_c = _max_nan(amax_c, _amax(x, 0))
@@ -182,7 +182,12 @@ quant_weight_kernel_tuned = triton.autotune(
 
 
 def quantize_act(
-    x: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = True, config: dict | None = None
+    x: torch.Tensor,
+    *,
+    pow2_scales: bool = False,
+    with_t: bool = True,
+    config: dict | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """X (M, K) -> `(q, scale_inv, qt, scale_inv_t)`: X in 1x128 blocks along K, and Xᵀ in 1x128 blocks along M
     when `with_t`. Values equal `quantize_blockwise`'s.
@@ -190,12 +195,16 @@ def quantize_act(
     The layout is the one cuBLAS's blockwise kernel reads without a copy: scales are (rows, blocks) fp32 stored
     column-major; q has M rounded up to a multiple of 4 rows and Xᵀ is (K, M rounded up to a multiple of 128), the
     padding being zero codes with scale_inv 1. A GEMM's extra output rows are the caller's to drop; zero columns in
-    a contraction add nothing."""
+    a contraction add nothing. `out`: `(q, scale_inv)` to write X's row-wise usage into, views of that layout (the
+    columns of a wider operand: `quantize_act_columns`)."""
     m, k = x.shape
     kb, mb = triton.cdiv(k, 128), triton.cdiv(m, 128)
     m_q, m_t = -(-m // 4) * 4, mb * 128
-    q = torch.empty((m_q, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty_strided((m_q, kb), (1, m_q), dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty((m_q, k), dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty_strided((m_q, kb), (1, m_q), dtype=torch.float32, device=x.device)
+    else:
+        q, s = out
     if with_t:
         qt = torch.empty((k, m_t), dtype=torch.float8_e4m3fn, device=x.device)
         st = torch.empty_strided((k, mb), (1, k), dtype=torch.float32, device=x.device)
@@ -213,6 +222,7 @@ def quantize_act(
         m_t,
         x.stride(0),
         x.stride(1),
+        q.stride(0),
         s.stride(0),
         s.stride(1),
         st.stride(0),
@@ -223,6 +233,28 @@ def quantize_act(
     else:
         quant_act_kernel_tuned[(mb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
     return (q, s, qt, st) if with_t else (q, s, None, None)
+
+
+def quantize_act_columns(
+    xs: list[torch.Tensor], *, pow2_scales: bool = False, with_t: bool = True, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """X = [X_1 | ... | X_n] quantized as `quantize_act(X)` would, without making X: each X_i (M, K_i), K_i whole
+    128-column blocks, is written into its columns of X's row-wise usage. Returns `(q, scale_inv, qts,
+    scale_inv_ts)`, the column-wise usage one per member, each in `quantize_act`'s layout (stacked sibling linears'
+    output gradients: one dgrad reads q, each member's wgrad its own Xᵢᵀ). `config` as `quantize_act`'s."""
+    m = xs[0].shape[0]
+    k, m_q = sum(x.shape[1] for x in xs), -(-m // 4) * 4
+    q = torch.empty((m_q, k), dtype=torch.float8_e4m3fn, device=xs[0].device)
+    s = torch.empty_strided((m_q, k // 128), (1, m_q), dtype=torch.float32, device=xs[0].device)
+    qts, sts, c0 = [], [], 0
+    for x in xs:
+        c1 = c0 + x.shape[1]
+        out = (q[:, c0:c1], s[:, c0 // 128 : c1 // 128])
+        _, _, qt, st = quantize_act(x, pow2_scales=pow2_scales, with_t=with_t, config=config, out=out)
+        qts.append(qt)
+        sts.append(st)
+        c0 = c1
+    return q, s, qts, sts
 
 
 def quantize_weight(
