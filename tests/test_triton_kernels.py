@@ -227,6 +227,35 @@ def test_weight_kernel_writes_wt_in_the_same_pass(shape, config):
     assert torch.equal(_codes(qt), _codes(rq.t())) and torch.equal(st, rs.t())
 
 
+@pytest.mark.parametrize("config", [None, *_quant_configs()], ids=_config_id)
+def test_weight_kernel_quantizes_a_stack_of_experts_each_as_alone(config):
+    """MoE experts (E, N, K) in one launch: each expert's codes, scales and block amax as its weight alone gives
+    them, and its Wᵀ (K, N) for the grouped dgrad, from the same pass; the reference path (`fast_weight` on blocks
+    the kernel does not take) gives the same stacks. A stack whose experts are not whole 128-row blocks is refused."""
+    from trl_fp8.quant.backends.triton_kernels import quantize_weight
+
+    torch.manual_seed(0)
+    w = (torch.randn(3, 256, 200) * torch.tensor([1e-3, 1.0, 1e3])[:, None, None]).to(DEVICE, torch.bfloat16)
+    w[2, 255, 199] = float("nan")
+    q, s, qt, st, amax = quantize_weight(w, with_t=True, config=config)
+    assert q.shape == (3, 256, 200) and s.shape == amax.shape == (3, 2, 2) and qt.shape == (3, 200, 256)
+    assert st.shape == (3, 2, 2) and qt.is_contiguous() and st.is_contiguous()
+    for e in range(3):
+        q1, s1, qt1, st1, amax1 = quantize_weight(w[e], with_t=True, config=config)
+        assert torch.equal(_codes(q[e]), _codes(q1)) and torch.equal(s[e], s1)
+        assert torch.equal(amax[e].isnan(), amax1.isnan()) and torch.equal(amax[e].nan_to_num(), amax1.nan_to_num())
+        assert torch.equal(_codes(qt[e]), _codes(qt1)) and torch.equal(st[e], st1)
+    grid = torch.stack([_on_grid(256, 256, seed=e) for e in range(2)]).to(DEVICE)
+    for block in ((128, 128), (64, 128)):  # the kernel, and the reference for blocks the kernel does not take
+        q3, s3, qt3, st3, _ = fast_weight(grid, block, True, "w", with_t=True)
+        for e in range(2):
+            q2, s2, qt2, st2, _ = fast_weight(grid[e], block, True, "w", with_t=True)
+            assert torch.equal(_codes(q3[e]), _codes(q2)) and torch.equal(s3[e], s2), block
+            assert torch.equal(_codes(qt3[e]), _codes(qt2)) and torch.equal(st3[e], st2) and qt3.is_contiguous()
+    with pytest.raises(ValueError, match=r"\(2, 200, 256\) must have whole 128-row blocks per expert"):
+        quantize_weight(torch.randn(2, 200, 256, device=DEVICE))
+
+
 @pytest.mark.parametrize("block", [(128, 128), (64, 128)])
 def test_weight_quantizers_give_wt_contiguous_only_when_asked(block):
     """`with_t` is what `FP8Linear` asks for on a GPU, where dgrad reads Wᵀ K-major; without it Wᵀ is a free view.

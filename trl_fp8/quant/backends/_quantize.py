@@ -30,8 +30,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return (x.is_cuda or interpreting()) and x.dim() == 2 and triton_status()[0]
+def _use_triton(x: torch.Tensor, dims: tuple[int, ...] = (2,)) -> bool:
+    return (x.is_cuda or interpreting()) and x.dim() in dims and triton_status()[0]
 
 
 def reference_act(x2d: torch.Tensor, pow2_scales: bool, with_t: bool):
@@ -95,9 +95,15 @@ def reference_weight(
     """`(q, scale_inv, qt, scale_inv_t, amax)`: with `check_finite` the reference raises itself, naming `name`
     (amax is None); without, `amax` is W's absolute max (NaN and inf survive a max), for the caller to check when it
     syncs anyway. Wᵀ is a copy with `with_t`, else a view (see `fast_weight`)."""
-    q, s = quantize_blockwise(w, block, pow2_scales=pow2_scales, check_finite=check_finite, name=name)
-    qt, st = (q.t().contiguous(), s.t().contiguous()) if with_t else (q.t(), s.t())
-    return q, s, qt, st, None if check_finite else w.detach().abs().amax()
+    if w.dim() == 3:  # experts (E, N, K), each N whole row blocks: the (E * N, K) matrix's blocks are theirs
+        e, n, k = w.shape
+        q, s, _, _, amax = reference_weight(w.reshape(e * n, k), block, pow2_scales, name, check_finite)
+        q, s = q.view(e, n, k), s.view(e, n // block[0], s.shape[-1])
+    else:
+        q, s = quantize_blockwise(w, block, pow2_scales=pow2_scales, check_finite=check_finite, name=name)
+        amax = None if check_finite else w.detach().abs().amax()
+    qt, st = q.transpose(-2, -1), s.transpose(-2, -1)
+    return q, s, *((qt.contiguous(), st.contiguous()) if with_t else (qt, st)), amax
 
 
 def fast_weight(
@@ -111,9 +117,10 @@ def fast_weight(
     """W (N, K) in `block` blocks -> `(q, scale_inv, qt, scale_inv_t, block_amax)`. Wᵀ (`qt`, `scale_inv_t`), dgrad's
     operand, is contiguous with `with_t` (the K-major layout a GPU's FP8 MMA reads; the Triton kernel writes it in
     the same pass), else a view of `q` and `scale_inv`. With `check_finite`, NaN or inf raise a `ValueError` naming
-    `name` (a host sync); without, the caller gets the block amax to check when it syncs anyway.
+    `name` (a host sync); without, the caller gets the block amax to check when it syncs anyway. A stack of experts'
+    weights (E, N, K), N whole row blocks, gives stacks: q (E, N, K), Wᵀ per expert (E, K, N), and their scales.
     """
-    if tuple(block) != (128, 128) or not _use_triton(w):
+    if tuple(block) != (128, 128) or not _use_triton(w, dims=(2, 3)):
         return reference_weight(w, block, pow2_scales, name, check_finite, with_t)
     from .triton_kernels import quantize_weight
 
@@ -122,7 +129,7 @@ def fast_weight(
         check_amax(amax, w, name)
         amax = None
     if not with_t:
-        qt, st = q.t(), s.t()
+        qt, st = q.transpose(-2, -1), s.transpose(-2, -1)
     return q, s, qt, st, amax
 
 

@@ -111,10 +111,13 @@ def quant_act_kernel(
 
 @triton.jit
 def quant_weight_kernel(
-    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, N, K, stride_wn, stride_wk, NB, KB,
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, N, K, stride_wn, stride_wk, KB, T_ROWS, T_BLOCKS,
     POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
+    # Wᵀ is written per T_ROWS rows of W (T_BLOCKS 128-row blocks): each expert of a stack (E * N, K) transposed on
+    # its own, (E, K, N), as the grouped dgrad reads it; T_ROWS = N for one weight. A tile lies in one expert.
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    expert = (pid_n // T_BLOCKS).to(tl.int64)
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     amax_c = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in tl.static_range(BLOCK // CHUNK):
@@ -135,12 +138,14 @@ def quant_weight_kernel(
             # Wᵀ (K, N), dgrad's K-major operand, from the codes in registers: a copy of W's codes afterwards
             # (`q.t().contiguous()`) ran at 0.35 TB/s on an H200 (benchmarks/RESULTS.md, 2026-12-04). The store is
             # the act kernel's pass 2, row slices written transposed.
+            t_rows = rows - expert * T_ROWS
             t_mask = (cols[:, None] < K) & (rows[None, :] < N)
-            tl.store(qt_ptr + cols[:, None] * N + rows[None, :], tl.trans(q), mask=t_mask)
+            t_ptrs = qt_ptr + expert * K * T_ROWS + cols[:, None] * T_ROWS + t_rows[None, :]
+            tl.store(t_ptrs, tl.trans(q), mask=t_mask)
     scale_inv = tl.math.div_rn(1.0, scale)
     tl.store(s_ptr + pid_n * KB + pid_k, scale_inv)
     if WITH_T:
-        tl.store(st_ptr + pid_k * NB + pid_n, scale_inv)
+        tl.store(st_ptr + (expert * KB + pid_k) * T_BLOCKS + pid_n - expert * T_BLOCKS, scale_inv)
     tl.store(amax_ptr + pid_n * KB + pid_k, amax)
 
 
@@ -262,20 +267,30 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """W (N, K) -> `(q, scale_inv (ceil(N/128), ceil(K/128)), qt, scale_inv_t, block_amax)` in 128x128 blocks; with
     `with_t` also Wᵀ's codes (K, N) and scales (ceil(K/128), ceil(N/128)), contiguous, written in the same pass
-    (else None). `config` as `quantize_act`'s."""
-    n, k = w.shape
-    nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    (else None). A stack of experts' weights (E, N, K), N whole 128-row blocks, is quantized in one launch as the
+    (E * N, K) matrix it is, each expert's blocks its own: q (E, N, K), scales (E, N/128, ceil(K/128)), and Wᵀ per
+    expert, (E, K, N). `config` as `quantize_act`'s."""
+    stack = w.dim() == 3
+    if stack and w.shape[1] % 128:
+        raise ValueError(f"a stack of expert weights {tuple(w.shape)} must have whole 128-row blocks per expert")
+    e, n, k = w.shape if stack else (1, *w.shape)
+    w2 = w.reshape(e * n, k)
+    nb, kb = triton.cdiv(e * n, 128), triton.cdiv(k, 128)
+    q = torch.empty((e * n, k), dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     amax = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
     if with_t:
-        qt = torch.empty((k, n), dtype=torch.float8_e4m3fn, device=w.device)
-        st = torch.empty((kb, nb), dtype=torch.float32, device=w.device)
+        qt = torch.empty((e, k, n), dtype=torch.float8_e4m3fn, device=w.device)
+        st = torch.empty((e, kb, nb // e), dtype=torch.float32, device=w.device)
     else:
         qt, st = q, s  # never written
-    args = (w, q, s, qt, st, amax, n, k, w.stride(0), w.stride(1), nb, kb)
+    args = (w2, q, s, qt, st, amax, e * n, k, w2.stride(0), w2.stride(1), kb, n, nb // e)
     if config is not None:
         quant_weight_kernel[(nb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
     else:
         quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
-    return (q, s, qt, st, amax) if with_t else (q, s, None, None, amax)
+    shape, blocks = ((e, n, k), (e, nb // e, kb)) if stack else ((n, k), (nb, kb))
+    q, s, amax = q.view(shape), s.view(blocks), amax.view(blocks)
+    if not with_t:
+        return q, s, None, None, amax
+    return q, s, (qt if stack else qt[0]), (st if stack else st[0]), amax
