@@ -54,13 +54,13 @@ _GROUPED_WGRAD = dict(
 )
 _ACT = dict(
     types=dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32"),
-    ints="M K M_Q M_T stride_xm stride_xk stride_sm stride_sk stride_stk stride_stm",
-    divisible="x_ptr q_ptr s_ptr qt_ptr st_ptr M K M_Q M_T stride_xm stride_sk stride_stm",
+    ints="M K M_Q M_T stride_xm stride_xk stride_qm stride_sm stride_sk stride_stk stride_stm",
+    divisible="x_ptr q_ptr s_ptr qt_ptr st_ptr M K M_Q M_T stride_xm stride_qm stride_sk stride_stm",
 )
 _WEIGHT = dict(
-    types=dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", amax_ptr="*fp32"),
-    ints="N K stride_wn stride_wk KB",
-    divisible="w_ptr q_ptr s_ptr amax_ptr N K stride_wn",
+    types=dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", amax_ptr="*fp32"),
+    ints="N K stride_wn stride_wk KB T_ROWS T_BLOCKS",
+    divisible="w_ptr q_ptr s_ptr qt_ptr st_ptr amax_ptr N K stride_wn T_ROWS",
 )
 
 
@@ -173,14 +173,14 @@ def grouped_jobs() -> list[dict]:
 
 
 def quantize_jobs() -> list[dict]:
-    """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` at every autotune config."""
+    """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` (with Wᵀ) at every autotune config."""
     jobs = []
     for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
         name = f"quantize act, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
         jobs.append(_job("triton_kernels.quant_act_kernel", _ACT, const, cfg.num_warps, 1, name, ""))
     for cfg in tk._QUANT_CONFIGS:
-        const = dict(stride_wk=1, POW2=False, BLOCK=128, **cfg.kwargs)
+        const = dict(stride_wk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
         name = f"quantize weight, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
         jobs.append(_job("triton_kernels.quant_weight_kernel", _WEIGHT, const, cfg.num_warps, 1, name, "128x128"))
     return jobs

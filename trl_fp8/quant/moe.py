@@ -159,7 +159,8 @@ class FP8Experts(ExpertsGate, nn.Module):
 
     @property
     def backend(self) -> str:
-        """The backend's name; setting it (also after a forward) checks it and drops the old backend's quantizations."""
+        """The backend's name; setting it (also after a forward) checks it and drops the old backend's
+        quantizations."""
         return self._backend_name
 
     @backend.setter
