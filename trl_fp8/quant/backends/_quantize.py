@@ -66,7 +66,9 @@ def reference_act_columns(x2ds: list[torch.Tensor], pow2_scales: bool, with_t: b
     """`fast_act_columns` by the reference: each member alone, the row-wise usages side by side."""
     _check_columns(x2ds)
     outs = [reference_act(x, pow2_scales, with_t) for x in x2ds]
-    q, s = torch.cat([o[0] for o in outs], dim=1), torch.cat([o[1] for o in outs], dim=1)
+    # As bytes, which every torch's `cat` takes (CUDA's refused float8 up to torch 2.4 at least).
+    q = torch.cat([o[0].view(torch.uint8) for o in outs], dim=1).view(torch.float8_e4m3fn)
+    s = torch.cat([o[1] for o in outs], dim=1)
     return q, s, [o[2] for o in outs], [o[3] for o in outs]
 
 
