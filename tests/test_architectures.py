@@ -64,10 +64,10 @@ def test_each_family_trains_in_fp8_with_a_bit_identical_sampler(tmp_path, demo_t
     # Learner and sampler share the weights bit for bit; what remains is FP8 rounding of activations that differ in
     # the last fp32 bits (a full sequence against a KV-cached decode), which Gated DeltaNet amplifies, and Gemma 4
     # most: it scores attention unscaled, so a tiny model's softmax is nearly one-hot and one rounding moves a
-    # log-prob far (RESULTS.md, "Why Gemma 4": up to 1.057 in the family sweep). Which step meets such a rounding
-    # depends on the trajectory: Gemma 4 gave 1.0001 and 1.0202 here once gate/up no longer stack (fp32 gradients
-    # summed in another order), 1.0001 and 1.0000 before.
-    assert max(errors) < (1.06 if family == "gemma4" else 1.02), errors
+    # log-prob far (RESULTS.md, "Why Gemma 4": up to 1.057 in the bf16 family sweep). Which step meets such a
+    # rounding depends on the trajectory: Gemma 4 gave 1.0001 and 1.0202 here once gate/up no longer stack (fp32
+    # gradients summed in another order), 1.0001 and 1.0000 before; its bound leaves twice the larger's excess.
+    assert max(errors) < (1.04 if family == "gemma4" else 1.02), errors
     engine = trainer.vllm_generation
     engine.sync_weights()
     held = engine.sampler.state_dict()

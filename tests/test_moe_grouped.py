@@ -76,6 +76,22 @@ def test_all_experts_quantize_in_one_launch_exactly_as_each_alone():
                 assert torch.equal(q[e].view(torch.uint8), q_ref.view(torch.uint8)), (which, e)
 
 
+def test_experts_wt_comes_with_the_weights_quantization_and_is_made_when_first_asked():
+    """The grouped dgrad's per-expert Wᵀ: on a GPU the forward's quantization writes it (one pass, cached with the
+    codes); where it did not (here on CPU, or after the export's `quantized()`), the first `quantized_with_t` makes it
+    rather than hand the dgrad nothing. Either way it is each expert's codes transposed, once per step."""
+    model = tiny_qwen3_moe().to(DEVICE)
+    convert_to_fp8(model, FP8Recipe(backend="triton"))
+    experts = next(m for m in model.modules() if isinstance(m, FP8Experts))
+    for which in ("gate_up_proj", "down_proj"):
+        q, s = experts.quantized(which)
+        assert (experts._cache[which][3] is None) == (DEVICE == "cpu")
+        q2, s2, qt = experts.quantized_with_t(which)
+        assert q2 is q and s2 is s and qt.is_contiguous()
+        assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
+        assert experts.quantized_with_t(which)[2] is qt  # cached
+
+
 def _quantized_operands(m_per_expert, k, n):
     """A buffer of 128-aligned expert segments (zero rows between), its experts' weights, all quantized."""
     torch.manual_seed(0)

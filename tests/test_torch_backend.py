@@ -11,10 +11,10 @@ cached transposes) nothing is copied. The real kernel is run against `emulated` 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import sqnr_db, triton_marks
+from conftest import sqnr_db, tiny_config_kwargs, triton_marks
 
 from trl_fp8.quant import quantize_blockwise
-from trl_fp8.quant.backends import emulated
+from trl_fp8.quant.backends import emulated, torch_scaled_mm
 from trl_fp8.quant.backends._quantize import fast_act, fast_act_columns, fast_weight
 from trl_fp8.quant.backends.torch_scaled_mm import cublas_operands
 
@@ -159,6 +159,31 @@ def test_training_path_operands_need_no_copy(tokens):
         assert _no_copy((mat_a, mat_b, scale_a, scale_b), (a, b, sa, sb)), name
         ref = emulated.gemm(a, sa, b, sb, block, torch.float32)
         assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch_scaled_mm.is_available(torch.device("cuda"))[0]),
+    reason="needs an SM90 GPU with blockwise F.scaled_mm",
+)
+def test_fp8_modules_cache_wt_k_major_from_the_weight_kernel():
+    """On a GPU every FP8 module's cached Wᵀ, dgrad's operand, is the weight kernel's K-major output (no copy left for
+    `cublas_operands` to make): a linear alone, stacked q/k/v, and MoE experts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trl_fp8 import FP8Recipe, convert_to_fp8
+    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
+    from trl_fp8.quant.moe import FP8Experts
+
+    model = convert_to_fp8(LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))).to(DEVICE),
+                           FP8Recipe(backend="torch"))  # fmt: skip
+    attn = model.model.layers[0].self_attn
+    for q, _, qt, st in (attn.o_proj._quantized(False), attn.q_proj._siblings.quantized(False)):
+        assert qt.is_contiguous() and st.is_contiguous() and qt.data_ptr() != q.data_ptr()
+    moe = convert_to_fp8(tiny_qwen3_moe().to(DEVICE), FP8Recipe(backend="torch"))
+    experts = next(m for m in moe.modules() if isinstance(m, FP8Experts))
+    experts.quantized("down_proj")
+    assert experts._cache["down_proj"][3].is_contiguous()
 
 
 @_triton

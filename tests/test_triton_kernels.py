@@ -124,13 +124,14 @@ def test_act_columns_quantize_as_one_operand_without_making_it(rows, config):
     xs[1] = xs[1] * 1e3
     xs[2][rows - 1, 5] = float("nan")
     xs[2] = xs[2].t().contiguous().t()
-    q, s, qts, sts = quantize_act_columns(xs, pow2_scales=False, with_t=True, config=config)
-    rq, rs, _, _ = quantize_act(torch.cat(xs, 1), pow2_scales=False, with_t=False, config=config)
+    pow2 = rows == 130  # both scale rules, one per row count
+    q, s, qts, sts = quantize_act_columns(xs, pow2_scales=pow2, with_t=True, config=config)
+    rq, rs, _, _ = quantize_act(torch.cat(xs, 1), pow2_scales=pow2, with_t=False, config=config)
     assert torch.equal(_codes(q), _codes(rq)) and torch.equal(s, rs) and s.stride() == rs.stride()
     for x, qt, st in zip(xs, qts, sts, strict=True):
-        _, _, rqt, rst = quantize_act(x, pow2_scales=False, with_t=True, config=config)
+        _, _, rqt, rst = quantize_act(x, pow2_scales=pow2, with_t=True, config=config)
         assert torch.equal(_codes(qt), _codes(rqt)) and torch.equal(st, rst) and st.stride() == (1, x.shape[1])
-    q2, s2, none_qts, _ = quantize_act_columns(xs, pow2_scales=False, with_t=False, config=config)
+    q2, s2, none_qts, _ = quantize_act_columns(xs, pow2_scales=pow2, with_t=False, config=config)
     assert torch.equal(_codes(q2), _codes(q)) and torch.equal(s2, s) and none_qts == [None] * 3
 
 
@@ -209,7 +210,8 @@ def test_weight_kernel_matches_reference(shape, pow2):
 def test_weight_kernel_writes_wt_in_the_same_pass(shape, config):
     """dgrad's Wᵀ (K-major codes and their scales), written by the weight kernel from the codes it just made: equal
     to `q.t()` bit for bit, NaN and partial blocks included, in every config the autotuner may pick (stores the GPU
-    runs differently from the interpreter: a transposed store faulted on an H200 before, RESULTS 2026-12-04)."""
+    runs differently from the interpreter: a column-slice walk wrote non-zero codes into padding on an H200, RESULTS
+    2026-12-04)."""
     from trl_fp8.quant.backends.triton_kernels import quantize_weight
 
     torch.manual_seed(shape[0])
@@ -252,8 +254,11 @@ def test_weight_kernel_quantizes_a_stack_of_experts_each_as_alone(config):
             q2, s2, qt2, st2, _ = fast_weight(grid[e], block, True, "w", with_t=True)
             assert torch.equal(_codes(q3[e]), _codes(q2)) and torch.equal(s3[e], s2), block
             assert torch.equal(_codes(qt3[e]), _codes(qt2)) and torch.equal(st3[e], st2) and qt3.is_contiguous()
-    with pytest.raises(ValueError, match=r"\(2, 200, 256\) must have whole 128-row blocks per expert"):
-        quantize_weight(torch.randn(2, 200, 256, device=DEVICE))
+    for fn in (lambda w: quantize_weight(w), lambda w: fast_weight(w, (128, 128), False, "w")):
+        with pytest.raises(ValueError, match=r"\(2, 200, 256\) must have whole 128-row blocks per expert"):
+            fn(torch.randn(2, 200, 256, device=DEVICE))
+    with pytest.raises(ValueError, match=r"\(2, 96, 256\) must have whole 64-row blocks per expert"):
+        fast_weight(torch.randn(2, 96, 256, device=DEVICE), (64, 128), False, "w")
 
 
 @pytest.mark.parametrize("block", [(128, 128), (64, 128)])

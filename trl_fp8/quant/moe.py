@@ -139,12 +139,15 @@ class FP8Experts(ExpertsGate, nn.Module):
         w = getattr(self, which)
         key, sharded = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w, self)
         entry = self._cache.get(which)
-        if sharded or entry is None or entry[0] != key or (with_t and entry[3] is None):
+        if not sharded and entry is not None and entry[0] == key and with_t and entry[3] is None:
+            # Quantized where the grouped path did not run (or for the export) and now asked for Wᵀ: from the codes.
+            entry = (*entry[:3], entry[1].transpose(1, 2).contiguous(), entry[4])
+        if sharded or entry is None or entry[0] != key:
             # Every expert's rows are whole 128-row blocks (conversion checks), so the experts stacked as one
             # (E * N, K) matrix quantize exactly as each alone: one launch of the backend's weight kernel for all,
             # which on a GPU also writes each expert's Wᵀ for the grouped dgrad (a transposing copy afterwards ran
             # at 0.35 TB/s on an H200).
-            t = with_t or (w.is_cuda and w.requires_grad and not sharded)
+            t = with_t or (w.is_cuda and w.requires_grad and not sharded and self._grouped(w.device))
             q, s, qt, _, amax = self._backend(w.device).quantize_weight(
                 w.detach(), (128, 128), self.pow2_scales, "", check_finite=False, with_t=t
             )
@@ -173,6 +176,10 @@ class FP8Experts(ExpertsGate, nn.Module):
         if device not in self._backends:
             self._backends[device] = resolve_backend(self.backend, device)
         return self._backends[device]
+
+    def _grouped(self, device: torch.device) -> bool:
+        """Whether the experts run on the grouped kernels here (whose dgrad reads each expert's Wᵀ K-major)."""
+        return self._backend(device).name in ("torch", "triton") and triton_status()[0]
 
     def requantizes_in_backward(self, which: str) -> bool:
         """Whether the backward quantizes `which` again rather than keep its FP8 transpose from the forward: a
@@ -203,7 +210,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         # emulated oracle loops over experts, as transformers does.
         # Under autocast the GEMMs read the autocast dtype, as transformers' experts do; their sum keeps the input's.
         x, dtype = autocast_input(hidden_states), hidden_states.dtype
-        if self._backend(hidden_states.device).name in ("torch", "triton") and triton_status()[0]:
+        if self._grouped(hidden_states.device):
             return grouped_experts_forward(self, x, top_k_index, top_k_weights, out_dtype=dtype)
         return self.forward_per_expert(x, top_k_index, top_k_weights, out_dtype=dtype)
 

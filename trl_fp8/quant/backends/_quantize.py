@@ -99,6 +99,10 @@ def reference_weight(
     syncs anyway. Wᵀ is a copy with `with_t`, else a view (see `fast_weight`)."""
     if w.dim() == 3:  # experts (E, N, K), each N whole row blocks: the (E * N, K) matrix's blocks are theirs
         e, n, k = w.shape
+        if n % block[0]:
+            raise ValueError(
+                f"a stack of expert weights {tuple(w.shape)} must have whole {block[0]}-row blocks per expert"
+            )
         q, s, _, _, amax = reference_weight(w.reshape(e * n, k), block, pow2_scales, name, check_finite)
         q, s = q.view(e, n, k), s.view(e, n // block[0], s.shape[-1])
     else:
