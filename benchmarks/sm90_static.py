@@ -59,8 +59,8 @@ _ACT = dict(
 )
 _WEIGHT = dict(
     types=dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", amax_ptr="*fp32"),
-    ints="N K stride_wn stride_wk KB T_ROWS T_BLOCKS",
-    divisible="w_ptr q_ptr s_ptr qt_ptr st_ptr amax_ptr N K stride_wn T_ROWS",
+    ints="N K stride_wn stride_wk KB T_ROWS T_BLOCKS stride_qt stride_st",
+    divisible="w_ptr q_ptr s_ptr qt_ptr st_ptr amax_ptr N K stride_wn T_ROWS stride_qt",
 )
 
 

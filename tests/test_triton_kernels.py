@@ -10,6 +10,7 @@ itself is checked on the GPU.
 import copy
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -259,6 +260,49 @@ def test_weight_kernel_quantizes_a_stack_of_experts_each_as_alone(config):
             fn(torch.randn(2, 200, 256, device=DEVICE))
     with pytest.raises(ValueError, match=r"\(2, 96, 256\) must have whole 64-row blocks per expert"):
         fast_weight(torch.randn(2, 96, 256, device=DEVICE), (64, 128), False, "w")
+
+
+@pytest.mark.parametrize("config", [None, *_quant_configs()], ids=_config_id)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_weight_rows_quantize_as_one_weight_without_making_it(pow2, config):
+    """Stacked siblings' weights (q/k/v), each quantized into its rows of one weight and its columns of one Wᵀ: the
+    same bytes as quantizing their concatenation, block amax (NaN included) and partial K blocks too. Members of
+    other magnitudes, one stored column-major."""
+    from trl_fp8.quant.backends.triton_kernels import quantize_weight, quantize_weight_rows
+
+    torch.manual_seed(int(pow2))
+    ws = [torch.randn(n, 200).to(DEVICE, torch.bfloat16) for n in (256, 128, 128)]
+    ws[1] = ws[1] * 1e3
+    ws[2][127, 199] = float("nan")
+    ws[0] = ws[0].t().contiguous().t()
+    ref = quantize_weight(torch.cat(ws), pow2_scales=pow2, with_t=True, config=config)
+    for with_t in (True, False):
+        q, s, qt, st, amax = quantize_weight_rows(ws, pow2_scales=pow2, with_t=with_t, config=config)
+        assert torch.equal(_codes(q), _codes(ref[0])) and torch.equal(s, ref[1])
+        assert torch.equal(amax.isnan(), ref[4].isnan()) and torch.equal(amax.nan_to_num(), ref[4].nan_to_num())
+        if with_t:
+            assert torch.equal(_codes(qt), _codes(ref[2])) and torch.equal(st, ref[3]) and qt.is_contiguous()
+        else:
+            assert qt is None and st is None
+
+
+def test_weight_rows_by_the_reference_and_refuse_straddling_blocks():
+    """The backends' `quantize_weight_rows`: the reference's equals the kernel's (Wᵀ a view without `with_t`, as
+    `quantize_weight`'s); a member that is not whole 128-row blocks, or of another column count, is refused by name
+    of the shapes on both paths, before anything is quantized."""
+    from trl_fp8.quant.backends._quantize import fast_weight_rows, reference_weight_rows
+
+    ws = [_on_grid(256, 384, seed=1).to(DEVICE), _on_grid(128, 384, seed=2).to(DEVICE) * 2**-6]
+    for with_t in (True, False):
+        fast, ref = fast_weight_rows(ws, True, with_t), reference_weight_rows([w.cpu() for w in ws], True, with_t)
+        assert all(torch.equal(_codes(a).cpu(), _codes(b)) for a, b in ((fast[0], ref[0]), (fast[2], ref[2])))
+        assert torch.equal(fast[1].cpu(), ref[1]) and torch.equal(fast[3].cpu(), ref[3])
+        assert fast[2].is_contiguous() == with_t
+    for bad in ([torch.randn(200, 128), torch.randn(128, 128)], [torch.randn(128, 128), torch.randn(128, 256)]):
+        shapes = re.escape(str([tuple(w.shape) for w in bad]))
+        for fn in (reference_weight_rows, fast_weight_rows):
+            with pytest.raises(ValueError, match=f"whole 128-row blocks.*{shapes}"):
+                fn([w.to(DEVICE) for w in bad], False, True)
 
 
 @pytest.mark.parametrize("block", [(128, 128), (64, 128)])

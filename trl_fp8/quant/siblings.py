@@ -197,13 +197,10 @@ class FP8SiblingGroup:
         key, sharded = self._key(), any(is_sharded(m.weight, m) for m in self.members)
         entry = self._cache
         if sharded or entry is None or entry[0] != key:
-            w = torch.cat([w.detach() for w in ws])
-            backend = self.backend(w.device)
-            names = "+".join(m.fp8_name for m in self.members)
-            contiguous = w.is_cuda and any(w.requires_grad for w in ws)
-            entry = (key,) + backend.quantize_weight(
-                w, (128, 128), self.pow2_scales, names, check_finite=False, with_t=contiguous
-            )
+            backend = self.backend(ws[0].device)
+            contiguous = ws[0].is_cuda and any(w.requires_grad for w in ws)
+            # Each member into its rows of the stacked FP8 weight: no BF16 concatenation of q/k/v per step.
+            entry = (key,) + backend.quantize_weight_rows([w.detach() for w in ws], self.pow2_scales, contiguous)
         if check_finite and entry[5] is not None:
             if not bool(torch.isfinite(entry[5]).all()):
                 for m in self.members:  # name the culprit, not the stack

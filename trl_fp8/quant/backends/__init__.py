@@ -1,4 +1,4 @@
-"""FP8 backends behind one narrow interface, four functions per backend module:
+"""FP8 backends behind one narrow interface, five functions per backend module:
 
 - `gemm(a, a_scale_inv, b, b_scale_inv, b_block, out_dtype)`: `A @ B.T` for A (M, K) quantized in 1x128 blocks and
   B (N, K) in `b_block` blocks, both along K.
@@ -10,6 +10,8 @@
 - `quantize_weight(w, block, pow2_scales, name, check_finite, with_t)`: W in `block` blocks -> `(q, scale_inv, qt,
   scale_inv_t, amax)`, refusing NaN/inf with the parameter's name, or handing back the block amax to check later
   (`amax` is else None). Wᵀ (dgrad's operand) is contiguous with `with_t`, else a view of `q`.
+- `quantize_weight_rows(ws, pow2_scales, with_t)`: `quantize_weight` of the rows [W_1; ...; W_n] in 128x128 blocks
+  without making them one tensor (stacked siblings' weights), `amax` always handed back.
 
 The backends:
 

@@ -139,6 +139,33 @@ def fast_weight(
     return q, s, qt, st, amax
 
 
+def _check_rows(ws: list[torch.Tensor]) -> None:
+    if any(w.dim() != 2 or w.shape[0] % 128 for w in ws) or len({w.shape[1] for w in ws}) != 1:
+        raise ValueError(
+            "quantize_weight_rows takes 2-D members of one column count, each whole 128-row blocks (a block must not "
+            f"straddle two), got shapes {[tuple(w.shape) for w in ws]}"
+        )
+
+
+def reference_weight_rows(ws: list[torch.Tensor], pow2_scales: bool, with_t: bool):
+    """`fast_weight_rows` by the reference: the members' concatenation, quantized (the oracle may copy)."""
+    _check_rows(ws)
+    return reference_weight(torch.cat(ws), (128, 128), pow2_scales, "", check_finite=False, with_t=with_t)
+
+
+def fast_weight_rows(ws: list[torch.Tensor], pow2_scales: bool, with_t: bool):
+    """W = [W_1; ...; W_n] (each W_i (N_i, K) in whole 128-row blocks) -> `(q, scale_inv, qt, scale_inv_t, amax)`
+    as `fast_weight(W, (128, 128), ..., check_finite=False)` gives them, written member by member without making W
+    (stacked sibling linears' weights, quantized once per step; the caller checks `amax` when it syncs anyway)."""
+    _check_rows(ws)
+    if not all(_use_triton(w) for w in ws):
+        return reference_weight_rows(ws, pow2_scales, with_t)
+    from .triton_kernels import quantize_weight_rows
+
+    q, s, qt, st, amax = quantize_weight_rows(ws, pow2_scales=pow2_scales, with_t=with_t)
+    return (q, s, qt, st, amax) if with_t else (q, s, q.t(), s.t(), amax)
+
+
 def check_amax(amax: torch.Tensor, x: torch.Tensor, name: str) -> None:
     """Raises the reference's `ValueError` naming `name` if a block amax of `x` is NaN or inf."""
     if not bool(torch.isfinite(amax).all()):

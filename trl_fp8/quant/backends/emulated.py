@@ -9,10 +9,11 @@ from ..blockwise import dequantize_blockwise
 from ._quantize import reference_act as quantize_act
 from ._quantize import reference_act_columns as quantize_act_columns
 from ._quantize import reference_weight as quantize_weight
+from ._quantize import reference_weight_rows as quantize_weight_rows
 
 
 name = "emulated"
-__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight"]
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight", "quantize_weight_rows"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

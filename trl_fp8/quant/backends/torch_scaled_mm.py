@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from ._quantize import fast_act as quantize_act
 from ._quantize import fast_act_columns as quantize_act_columns
 from ._quantize import fast_weight as quantize_weight
+from ._quantize import fast_weight_rows as quantize_weight_rows
 
 
 name = "torch"
-__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight"]
+__all__ = ["gemm", "is_available", "quantize_act", "quantize_act_columns", "quantize_weight", "quantize_weight_rows"]
 
 
 def is_available(device: torch.device | None = None) -> tuple[bool, str]:

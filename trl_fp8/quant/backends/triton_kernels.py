@@ -10,7 +10,7 @@ keep NaN as the reference's do (a block holding one gets scale 1, its NaN stays 
 - `quantize_act`: one read of X (M, K) writes both usages TE's column-wise recipe needs: X in 1x128 blocks along K
   (fprop, dgrad) and Xᵀ (K, M) in 1x128 blocks along M (wgrad), the transpose fused into the same pass.
 - `quantize_weight`: 128x128 blocks, with the block amax kept for the finiteness check, and Wᵀ (dgrad's K-major
-  operand) written from the same registers.
+  operand) written from the same registers; `quantize_weight_rows` writes stacked siblings' weights into one.
 """
 
 import torch
@@ -111,11 +111,13 @@ def quant_act_kernel(
 
 @triton.jit
 def quant_weight_kernel(
-    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, N, K, stride_wn, stride_wk, KB, T_ROWS, T_BLOCKS,
-    POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, N, K, stride_wn, stride_wk, KB, T_ROWS, T_BLOCKS, stride_qt,
+    stride_st, POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Wᵀ is written per T_ROWS rows of W (T_BLOCKS 128-row blocks): each expert of a stack (E * N, K) transposed on
-    # its own, (E, K, N), as the grouped dgrad reads it; T_ROWS = N for one weight. A tile lies in one expert.
+    # its own, (E, K, N), as the grouped dgrad reads it; T_ROWS = N for one weight. A tile lies in one expert. Wᵀ's
+    # rows are stride_qt codes (stride_st scales) apart: T_ROWS (T_BLOCKS), or more where Wᵀ is the columns of a
+    # wider one (stacked siblings' weights, `quantize_weight_rows`).
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     expert = (pid_n // T_BLOCKS).to(tl.int64)
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -140,12 +142,12 @@ def quant_weight_kernel(
             # the act kernel's pass 2, row slices written transposed.
             t_rows = rows - expert * T_ROWS
             t_mask = (cols[:, None] < K) & (rows[None, :] < N)
-            t_ptrs = qt_ptr + expert * K * T_ROWS + cols[:, None] * T_ROWS + t_rows[None, :]
+            t_ptrs = qt_ptr + expert * K * stride_qt + cols[:, None] * stride_qt + t_rows[None, :]
             tl.store(t_ptrs, tl.trans(q), mask=t_mask)
     scale_inv = tl.math.div_rn(1.0, scale)
     tl.store(s_ptr + pid_n * KB + pid_k, scale_inv)
     if WITH_T:
-        tl.store(st_ptr + (expert * KB + pid_k) * T_BLOCKS + pid_n - expert * T_BLOCKS, scale_inv)
+        tl.store(st_ptr + (expert * KB + pid_k) * stride_st + pid_n - expert * T_BLOCKS, scale_inv)
     tl.store(amax_ptr + pid_n * KB + pid_k, amax)
 
 
@@ -263,34 +265,75 @@ def quantize_act_columns(
 
 
 def quantize_weight(
-    w: torch.Tensor, *, pow2_scales: bool = False, with_t: bool = False, config: dict | None = None
+    w: torch.Tensor,
+    *,
+    pow2_scales: bool = False,
+    with_t: bool = False,
+    config: dict | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """W (N, K) -> `(q, scale_inv (ceil(N/128), ceil(K/128)), qt, scale_inv_t, block_amax)` in 128x128 blocks; with
     `with_t` also Wᵀ's codes (K, N) and scales (ceil(K/128), ceil(N/128)), contiguous, written in the same pass
     (else None). A stack of experts' weights (E, N, K), N whole 128-row blocks, is quantized in one launch as the
     (E * N, K) matrix it is, each expert's blocks its own: q (E, N, K), scales (E, N/128, ceil(K/128)), and Wᵀ per
-    expert, (E, K, N). `config` as `quantize_act`'s."""
+    expert, (E, K, N). `config` as `quantize_act`'s. `out`: `(q, scale_inv, qt, scale_inv_t, block_amax)` of a 2-D W
+    to write into, views of those layouts whose rows (of Wᵀ: columns) may be those of a wider one
+    (`quantize_weight_rows`)."""
     stack = w.dim() == 3
     if stack and w.shape[1] % 128:
         raise ValueError(f"a stack of expert weights {tuple(w.shape)} must have whole 128-row blocks per expert")
     e, n, k = w.shape if stack else (1, *w.shape)
     w2 = w.reshape(e * n, k)
     nb, kb = triton.cdiv(e * n, 128), triton.cdiv(k, 128)
-    q = torch.empty((e * n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    amax = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    if with_t:
-        qt = torch.empty((e, k, n), dtype=torch.float8_e4m3fn, device=w.device)
-        st = torch.empty((e, kb, nb // e), dtype=torch.float32, device=w.device)
+    if out is not None:
+        q, s, qt, st, amax = out
+        if not with_t:
+            qt, st = q, s  # never written
+        stride_qt, stride_st = qt.stride(0), st.stride(0)
     else:
-        qt, st = q, s  # never written
-    args = (w2, q, s, qt, st, amax, e * n, k, w2.stride(0), w2.stride(1), kb, n, nb // e)
+        q = torch.empty((e * n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+        amax = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+        if with_t:
+            qt = torch.empty((e, k, n), dtype=torch.float8_e4m3fn, device=w.device)
+            st = torch.empty((e, kb, nb // e), dtype=torch.float32, device=w.device)
+        else:
+            qt, st = q, s  # never written
+        stride_qt, stride_st = n, nb // e
+    args = (w2, q, s, qt, st, amax, e * n, k, w2.stride(0), w2.stride(1), kb, n, nb // e, stride_qt, stride_st)
     if config is not None:
         quant_weight_kernel[(nb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128, **config)
     else:
         quant_weight_kernel_tuned[(nb, kb)](*args, POW2=pow2_scales, WITH_T=with_t, BLOCK=128)
+    if out is not None:
+        return out if with_t else (q, s, None, None, amax)
     shape, blocks = ((e, n, k), (e, nb // e, kb)) if stack else ((n, k), (nb, kb))
     q, s, amax = q.view(shape), s.view(blocks), amax.view(blocks)
     if not with_t:
         return q, s, None, None, amax
     return q, s, (qt if stack else qt[0]), (st if stack else st[0]), amax
+
+
+def quantize_weight_rows(
+    ws: list[torch.Tensor], *, pow2_scales: bool = False, with_t: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """W = [W_1; ...; W_n] quantized as `quantize_weight(W)` would, without making W: each W_i (N_i, K), N_i whole
+    128-row blocks, is written into its rows of W's codes, scales and block amax, and (`with_t`) its columns of
+    Wᵀ. Stacked sibling linears' weights (q/k/v), whose concatenation in BF16 would be one more copy per step."""
+    k = ws[0].shape[1]
+    n = sum(w.shape[0] for w in ws)
+    nb, kb, dev = n // 128, triton.cdiv(k, 128), ws[0].device
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=dev)
+    s = torch.empty((nb, kb), dtype=torch.float32, device=dev)
+    amax = torch.empty((nb, kb), dtype=torch.float32, device=dev)
+    qt = torch.empty((k, n), dtype=torch.float8_e4m3fn, device=dev) if with_t else None
+    st = torch.empty((kb, nb), dtype=torch.float32, device=dev) if with_t else None
+    r0 = 0
+    for w in ws:
+        r1 = r0 + w.shape[0]
+        b0, b1 = r0 // 128, r1 // 128
+        out = (q[r0:r1], s[b0:b1], amax[b0:b1])
+        out = (*out[:2], qt[:, r0:r1], st[:, b0:b1], out[2]) if with_t else (*out[:2], None, None, out[2])
+        quantize_weight(w, pow2_scales=pow2_scales, with_t=with_t, config=config, out=out)
+        r0 = r1
+    return q, s, qt, st, amax
