@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from host_overhead import host_markdown
 from step_profile import profile_markdown
 
 
@@ -109,6 +110,8 @@ def markdown(results) -> str:
             lines += ["", bound]
     if "profile_1seq" in results:
         lines += profile_markdown(results["profile_1seq"])
+    if "host" in results:
+        lines += host_markdown(results["host"])
     if not_judged(results):
         lines += ["", f"Targets: not judged ({not_judged(results)})."]
     elif "targets_met" in results:

@@ -10,8 +10,9 @@ the layers of the model NeMo RL's 15-25% faster steps were measured on, without 
 (e) peak memory, (f) every fast path against the `emulated` oracle on the same inputs,
 (g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts, (h) where (d)'s step time
 goes per precision: kernel time per category (GEMM, FP8 quantize, attention, optimizer, copies), GPU busy share,
-launches and host syncs per step, top kernels (and `profile_<first FP8 backend>.json.gz`, a Perfetto trace).
-(d), (e), (g) and (h) are in `gpu_bench_model.py`, the report in `bench_report.py`.
+launches and host syncs per step, top kernels (and `profile_<first FP8 backend>.json.gz`, a Perfetto trace),
+(i) the host's time per linear forward + backward where kernels are microseconds, and trl-fp8's own share of it.
+(d), (e), (g) and (h) are in `gpu_bench_model.py`, (i) in `host_overhead.py`, the report in `bench_report.py`.
 Writes `gpu_bench.json`, `gpu_bench.md` and `gpu_targets.png` (every ratio against its target). On a machine without
 an SM90 GPU the fast backend is `emulated` and the ratios mean nothing; `--smoke` exists to check the script itself
 there.
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from bench_report import markdown, plot_targets, targets  # benchmarks/, on sys.path when run as a script
 from gpu_bench_model import bench_moe, bench_profile, bench_train_step, sqnr, timed
+from host_overhead import bench_host
 from torch import nn
 from transformers import LlamaConfig
 
@@ -233,6 +235,9 @@ def main():
         ("gemm", lambda: bench_gemm(device, gemm_backends, ms, shapes, iters)),
         ("linear", lambda: bench_linear(device, backends, m_lin, shapes, iters)),
         ("quantize", lambda: bench_quantize(device, ms[0], shapes[0][0], iters)),
+        # The host's time per linear (seconds, so early: the budget must not skip it), split into what trl-fp8's
+        # Python costs (null kernels) and what the launches add.
+        ("host", lambda: bench_host(device, {n: m for n, m in gemm_backends.items() if n != "emulated"}, iters * 20)),
         ("train_step", lambda: bench_train_step(device, backends, config, seq, batch, max(2, iters // 2), True)),
         # Same model and batch as train_step: 4 x 4096 tokens trace as few kernels as 1 x 4096, just longer ones.
         ("profile", lambda: bench_profile(device, backends, config, seq, batch, out)),

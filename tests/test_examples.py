@@ -357,6 +357,10 @@ def test_gpu_bench_smoke(scripts):
     assert f"(h) where a training step's time goes, 1 x {report['train_step']['shape'].split()[2]} tokens" in md
     assert f"| category | {' | '.join(['bf16', *report['backends']])} |" in md
     assert "Bound on (d): GEMMs are" in md
+    # (i): host time per linear; the null kernels' extra is over the CPU's tiny nn.Linear, measured in the same run.
+    host = report["host"]
+    assert {"nn.Linear, CPU, tiny", "null kernels"} <= host.keys() and host["null kernels"]["qkv_us"] > 0
+    assert "(i) host time per forward + backward" in md and "| q/k/v (FP8: stacked) |" in md
     # Emulated on a CPU often "beats" CPU BF16: a smoke run must not report targets as met.
     assert report["targets_met"] == {} and "Targets: not judged (a --smoke run" in md and " met" not in md
     first = report["backends"][0]
