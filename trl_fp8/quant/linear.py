@@ -58,7 +58,8 @@ def is_sharded(p: torch.Tensor, module: nn.Module | None = None) -> bool:
     swaps a whole plain tensor, which bears no mark, into the module while its unit runs). FP8 modules do not cache
     its quantization, which would keep a whole FP8 copy of every layer, what sharding avoids (quantizing anew gives
     the same bits)."""
-    return hasattr(p, "ds_id") or getattr(module, "fp8_sharded", False)
+    # `vars`, not `getattr`: a module's missing attribute costs an exception, on every forward of every linear.
+    return hasattr(p, "ds_id") or (module is not None and vars(module).get("fp8_sharded", False))
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:
@@ -252,8 +253,6 @@ class FP8Linear(nn.Linear):
         q, s, _, _ = self._quantized(check_finite=True)
         return q, s
 
-    @torch.inference_mode(False)  # a cache filled in inference mode would hold tensors autograd cannot save
-    @torch.no_grad()  # inside: inference_mode(False) turns grad mode back on
     def _quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`; the transposes are dgrad's operands
         (contiguous on GPUs, whose FP8 MMA reads both operands K-major: made once per step, not once per backward).
@@ -263,9 +262,23 @@ class FP8Linear(nn.Linear):
         sync and the export call, so a non-finite weight never reaches the sampler."""
         if (group := self._group()) is not None:
             return group.member_weight(self._sibling_index, check_finite)
+        w, entry = self.weight, self._w_cache
+        # The hit of every forward between two optimizer steps skips the grad-mode switches of a miss: where small
+        # batches leave the GPU waiting on the host, microseconds per linear add up.
+        if entry is not None and (not check_finite or entry[5] is None) and entry[0] == self._weight_key(w):
+            if not is_sharded(w, self):
+                return entry[1:5]
+        return self._quantize_weight(check_finite)
+
+    def _weight_key(self, w: torch.Tensor) -> tuple:
+        return (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
+
+    @torch.inference_mode(False)  # a cache filled in inference mode would hold tensors autograd cannot save
+    @torch.no_grad()  # inside: inference_mode(False) turns grad mode back on
+    def _quantize_weight(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self.weight
         sharded = is_sharded(w, self)
-        key = (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
+        key = self._weight_key(w)
         entry = self._w_cache
         if sharded or entry is None or entry[0] != key:
             backend = self._backend_for(w.device)

@@ -188,11 +188,18 @@ class FP8SiblingGroup:
             )
         return (weights_epoch(), self.pow2_scales, *key)
 
-    @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
-    @torch.no_grad()
     def quantized(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked `(weight_fp8, weight_scale_inv, weight_fp8ᵀ, weight_scale_invᵀ)`, quantized once per step,
         with `FP8Linear`'s deferred NaN/inf check."""
+        entry = self._cache  # a hit, as FP8Linear's: no grad-mode switches
+        if entry is not None and (not check_finite or entry[5] is None) and entry[0] == self._key():
+            if not any(is_sharded(m.weight, m) for m in self.members):
+                return entry[1:5]
+        return self._quantize(check_finite)
+
+    @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
+    @torch.no_grad()
+    def _quantize(self, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ws = [m.weight for m in self.members]
         key, sharded = self._key(), any(is_sharded(m.weight, m) for m in self.members)
         entry = self._cache
