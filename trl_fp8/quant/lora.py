@@ -129,14 +129,24 @@ class FP8LoraLinear(LoraLinear):
             key += [a, self.scaling[a], lora_a._version, lora_a.data_ptr(), lora_b._version, lora_b.data_ptr()]
         return tuple(key)
 
-    @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
-    @torch.no_grad()
     def _quantized(
         self, check_finite: bool, with_t: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """`(Q, scale_inv, Qᵀ, scale_invᵀ)` of the merged weight, made once per optimizer step, with `FP8Linear`'s
         deferred NaN/inf check. The transposes are `None` for a sharded weight without `with_t` (its forward needs
         none: its backward asks again)."""
+        base, entry = self.get_base_layer(), self._fp8_cache
+        # A hit, as FP8Linear's: no grad-mode switches (a cached entry is never a sharded weight's, and has Qᵀ).
+        hit = entry is not None and (not check_finite or entry[5] is None) and not is_sharded(base.weight, base)
+        if hit and entry[0] == self._fp8_key(self._adapters()):
+            return entry[1:5]
+        return self._quantize_merged(check_finite, with_t)
+
+    @torch.inference_mode(False)  # as FP8Linear's cache: autograd must be able to save it
+    @torch.no_grad()
+    def _quantize_merged(
+        self, check_finite: bool, with_t: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         base, adapters = self.get_base_layer(), self._adapters()
         key, sharded = self._fp8_key(adapters), is_sharded(base.weight, base)
         entry = self._fp8_cache
