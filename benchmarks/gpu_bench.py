@@ -11,7 +11,8 @@ the layers of the model NeMo RL's 15-25% faster steps were measured on, without 
 (g) a Qwen3-30B-A3B-shaped MoE layer, FP8 grouped experts vs transformers' BF16 experts, (h) where (d)'s step time
 goes per precision: kernel time per category (GEMM, FP8 quantize, attention, optimizer, copies), GPU busy share,
 launches and host syncs per step, top kernels (and `profile_<first FP8 backend>.json.gz`, a Perfetto trace),
-(i) the host's time per linear forward + backward where kernels are microseconds, and trl-fp8's own share of it.
+(i) the host's time per linear forward + backward where kernels are microseconds, trl-fp8's own share of it,
+and the host's time per call of each kernel a linear launches.
 (d), (e), (g) and (h) are in `gpu_bench_model.py`, (i) in `host_overhead.py`, the report in `bench_report.py`.
 Writes `gpu_bench.json`, `gpu_bench.md` and `gpu_targets.png` (every ratio against its target). On a machine without
 an SM90 GPU the fast backend is `emulated` and the ratios mean nothing; `--smoke` exists to check the script itself

@@ -9,7 +9,9 @@ small enough that the kernels take microseconds:
 - `nn.Linear`, `FP8Linear` and a stacked q/k/v group (`FP8SiblingGroup`) on each real backend (on a GPU);
 - the same FP8 modules with **null kernels**: the `torch` backend with its Triton quantizers and `F.scaled_mm`
   replaced by allocations of their outputs' exact layouts, on the CPU. What remains is trl-fp8's own Python,
-  `cublas_operands` and autograd: the share this repository controls, measurable on any machine.
+  `cublas_operands` and autograd: the share this repository controls, measurable on any machine;
+- each call a linear is made of, alone (`launch_ops`): Triton's quantizer launches with and without the autotuner,
+  cuBLASLt's blockwise `F.scaled_mm`, the backends' `gemm`, against an aten op's and BF16's GEMM's launch.
 
     python benchmarks/host_overhead.py            # null kernels on this machine's CPU (and real ones on a GPU)
 """
@@ -147,6 +149,68 @@ def host_us(module: nn.Module, x: torch.Tensor, iters: int, repeats: int = 5) ->
     return best
 
 
+def enqueue_us(fn, device: torch.device, iters: int, repeats: int = 5) -> float:
+    """Host microseconds per call of `fn`, timed from an idle device to the last call's return without waiting for
+    the kernels: with kernels of microseconds and fewer launches than a GPU's queue holds (about a thousand), that is
+    the launch path's own cost (Python, the launcher, the library's host work), whatever the kernels take."""
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - start) / iters * 1e6)
+    sync()
+    return best
+
+
+def launch_ops(device: torch.device, backends: dict, tokens: int = TOKENS, hidden: int = HIDDEN) -> dict:
+    """The calls one FP8 linear's forward + backward is made of, X (tokens, hidden) and W (hidden, hidden), each
+    alone: a one-kernel aten op and the high-precision GEMM (BF16 cuBLAS on a GPU) as the baselines; on the `torch`
+    backend its Triton quantizers (through the autotuner, and with one config given, which skips it),
+    `F.scaled_mm`'s blockwise cuBLASLt call on ready operands, and the backend's `gemm` (the same call plus
+    `cublas_operands`); on `triton` its GEMM."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    w = torch.randn(hidden, hidden, device=device, dtype=dtype)
+    ops = {"aten add (one small kernel)": lambda: x.add(1.0), "mm, high precision": lambda: torch.mm(x, w.t())}
+    fp8 = {name: module for name, module in backends.items() if name in ("torch", "triton")}
+    if not fp8:
+        return ops
+    from trl_fp8.quant.backends import triton_kernels
+
+    q, s, _, _ = triton_kernels.quantize_act(x, with_t=False)
+    wq, ws, _, _, _ = triton_kernels.quantize_weight(w)
+    if "torch" in fp8:
+        operands = torch_scaled_mm.cublas_operands(q, s, wq, ws, (128, 128))
+        ops["Triton quantize X + Xᵀ, autotuned"] = lambda: triton_kernels.quantize_act(x)
+        ops["Triton quantize X + Xᵀ, one config"] = lambda: triton_kernels.quantize_act(x, config=dict(CHUNK=32))
+        ops["Triton quantize W + Wᵀ, autotuned"] = lambda: triton_kernels.quantize_weight(w, with_t=True)
+        ops["F.scaled_mm blockwise (cuBLASLt)"] = lambda: F.scaled_mm(*operands, output_dtype=torch.bfloat16)
+        ops["torch backend gemm (+ cublas_operands)"] = lambda: torch_scaled_mm.gemm(
+            q, s, wq, ws, (128, 128), torch.bfloat16
+        )
+    if "triton" in fp8:
+        ops["triton backend gemm (autotuned)"] = lambda: fp8["triton"].gemm(q, s, wq, ws, (128, 128), torch.bfloat16)
+    return ops
+
+
+def bench_launches(device: torch.device, backends: dict, iters: int = 200) -> dict:
+    """Host microseconds per call of each of `launch_ops`, as enqueued (`enqueue_us`): where (i)'s FP8 extra per
+    linear goes, between Triton's launcher, its autotuner, cuBLASLt's blockwise GEMM and trl-fp8's operand code."""
+    torch.manual_seed(0)
+    # On a CPU only the baselines run (there are no FP8 kernels to launch), at the tiny nn.Linear's shape.
+    ops = launch_ops(device, backends) if device.type == "cuda" else launch_ops(device, {}, 4, 128)
+    return {name: enqueue_us(fn, device, iters) for name, fn in ops.items()}
+
+
 def bench_host(device: torch.device, backends: dict, iters: int = 200) -> dict:
     """Host microseconds per forward + backward of one linear (K = N = 2048) and of a stacked q/k/v group, each at
     64 tokens: on a GPU BF16 vs every backend in `backends`; everywhere the null kernels, on the CPU."""
@@ -172,11 +236,12 @@ def bench_host(device: torch.device, backends: dict, iters: int = 200) -> dict:
     for label, base in [*((name, "bf16") for name in backends), ("null kernels", "nn.Linear, CPU, tiny")]:
         for key in ("linear_us", "qkv_us"):
             out[label][key.replace("_us", "_extra_us")] = out[label][key] - out[base][key]
+    out["per_call_us"] = bench_launches(device, backends, iters)
     return out
 
 
 def host_markdown(host: dict) -> list[str]:
-    labels = [k for k in host if k != "shape"]
+    labels = [k for k in host if k not in ("shape", "per_call_us")]
     note = "in brackets, more than BF16 on the same device; for the null kernels, more than the CPU's tiny nn.Linear"
     lines = ["", f"(i) host time per forward + backward, {host.get('shape', '')}: microseconds ({note})", ""]
     lines += ["| | " + " | ".join(labels) + " |", "|---" * (1 + len(labels)) + "|"]
@@ -186,6 +251,10 @@ def host_markdown(host: dict) -> list[str]:
             extra = host[k].get(key + "_extra_us")
             cells.append(f"{host[k][key + '_us']:.0f}" + ("" if extra is None else f" ({extra:+.0f})"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if host.get("per_call_us"):
+        lines += ["", "Host microseconds per call, each alone, enqueued without waiting for the kernels:", ""]
+        lines += ["| call | µs |", "|---|---|"]
+        lines += [f"| {name} | {us:.1f} |" for name, us in host["per_call_us"].items()]
     return lines
 
 

@@ -361,6 +361,7 @@ def test_gpu_bench_smoke(scripts):
     host = report["host"]
     assert {"nn.Linear, CPU, tiny", "null kernels"} <= host.keys() and host["null kernels"]["qkv_us"] > 0
     assert "(i) host time per forward + backward" in md and "| q/k/v (FP8: stacked) |" in md
+    assert host["per_call_us"]["aten add (one small kernel)"] > 0 and "| aten add (one small kernel) | " in md
     # Emulated on a CPU often "beats" CPU BF16: a smoke run must not report targets as met.
     assert report["targets_met"] == {} and "Targets: not judged (a --smoke run" in md and " met" not in md
     first = report["backends"][0]

@@ -5,6 +5,7 @@ would time work that never happens. The Triton kernels run here on Triton's inte
 `tests/test_examples.py::test_gpu_bench_smoke`."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from trl_fp8.quant.backends import torch_scaled_mm
 from trl_fp8.quant.backends._quantize import triton_status
 
 
@@ -73,10 +75,56 @@ def test_null_kernels_run_fp8_linears_without_a_copy_or_a_pad():
 
 def test_host_figures_are_per_call_and_compared_with_the_right_baseline():
     host = host_overhead.bench_host(torch.device("cpu"), {}, iters=5)
-    assert list(host) == ["shape", "nn.Linear, CPU, tiny", "null kernels"]
+    assert list(host) == ["shape", "nn.Linear, CPU, tiny", "null kernels", "per_call_us"]
     for key in ("linear", "qkv"):
         assert host["nn.Linear, CPU, tiny"][key + "_us"] > 0
         null = host["null kernels"]
         assert null[key + "_extra_us"] == pytest.approx(null[key + "_us"] - host["nn.Linear, CPU, tiny"][key + "_us"])
+    # A CPU has no FP8 kernels to launch: the per-call table holds the baselines only, and says so in its rows.
+    assert list(host["per_call_us"]) == ["aten add (one small kernel)", "mm, high precision"]
     md = "\n".join(host_overhead.host_markdown(host))
     assert "| one linear |" in md and "| q/k/v (FP8: stacked) |" in md
+    assert "| mm, high precision | " in md and "per_call_us" not in md
+
+
+def test_enqueue_time_is_microseconds_per_call_of_the_best_repeat():
+    calls, delays = [], iter([0.004] * 3 + [0.004] * 4 + [0.002] * 4 + [0.004] * 4)
+
+    def fn():
+        calls.append(1)
+        time.sleep(next(delays))
+
+    us = host_overhead.enqueue_us(fn, torch.device("cpu"), iters=4, repeats=3)
+    assert len(calls) == 3 + 4 * 3  # three warm-up calls, then `repeats` runs of `iters`
+    assert 2000 <= us < 3500  # the fastest run's 2 ms per call, in microseconds
+
+
+@needs_triton
+def test_launch_ops_make_the_calls_of_an_fp8_linear():
+    """Each call (i) times per launch runs the kernel it names on operands of the right layout: the FP8 GEMM's
+    result is X Wᵀ to FP8's error. The cuBLAS calls need an SM90 GPU; the rest run on Triton's interpreter."""
+    from trl_fp8.quant.backends import BACKENDS
+
+    torch.manual_seed(0)
+    ops = host_overhead.launch_ops(
+        torch.device("cpu"), {"torch": torch_scaled_mm, "triton": BACKENDS["triton"]}, 8, 256
+    )
+    assert list(ops) == [
+        "aten add (one small kernel)",
+        "mm, high precision",
+        "Triton quantize X + Xᵀ, autotuned",
+        "Triton quantize X + Xᵀ, one config",
+        "Triton quantize W + Wᵀ, autotuned",
+        "F.scaled_mm blockwise (cuBLASLt)",
+        "torch backend gemm (+ cublas_operands)",
+        "triton backend gemm (autotuned)",
+    ]
+    reference = ops["mm, high precision"]()
+    q, s, qt, st = ops["Triton quantize X + Xᵀ, one config"]()
+    assert [_layout(t) for t in (q, s, qt, st)] == [_layout(t) for t in ops["Triton quantize X + Xᵀ, autotuned"]()]
+    assert qt is not None and ops["Triton quantize W + Wᵀ, autotuned"]()[2].shape == (256, 256)
+    out = ops["triton backend gemm (autotuned)"]().float()
+    sqnr = 10 * torch.log10(reference.pow(2).mean() / (out - reference).pow(2).mean())
+    # Gaussian X and W in e4m3 blocks give 20.5-20.7 dB against the exact product here (the emulated oracle's GEMM
+    # of the same codes as much, to 0.03 dB); a wrong scale layout or operand order gives noise, below 0 dB.
+    assert out.shape == reference.shape and sqnr > 18, sqnr
