@@ -74,7 +74,9 @@ def markdown(results) -> str:
             for k, v in q.items()
             if isinstance(v, dict) and "bandwidth_gbs" in v
         ]
-        lines += [f"\nAutotuned act quantizer, {k}: {v}" for k, v in q.get("act_kernel_autotuned", {}).items()]
+        for kernel in ("act", "weight"):
+            tuned = q.get(f"{kernel}_kernel_autotuned", {})
+            lines += [f"\nAutotuned {kernel} quantizer, {k}: {v}" for k, v in tuned.items()]
     for key, model in STEP_MODELS.items():
         if key not in results:
             continue

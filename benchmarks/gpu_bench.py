@@ -182,10 +182,11 @@ def bench_quantize(device, m, k, iters):
         t = timed(fn, device, iters=iters)
         rows[name] = dict(bandwidth_gbs=n * bytes_per_elem / t / 1e9, share_of_copy=n * bytes_per_elem / t / copy_bw)
     if triton_status()[0] and device.type == "cuda":
-        from trl_fp8.quant.backends.triton_kernels import quant_act_kernel_tuned
+        from trl_fp8.quant.backends.triton_kernels import quant_act_kernel_tuned, quant_weight_kernel_tuned
 
-        # Which slice size won (CHUNK rows, warps), per (K, WITH_T, dtypes) key.
+        # Which config won (CHUNK rows, warps, PREFETCH, RUNNING_MAX), per (K, WITH_T, dtypes) key.
         rows["act_kernel_autotuned"] = {str(key): str(cfg) for key, cfg in quant_act_kernel_tuned.cache.items()}
+        rows["weight_kernel_autotuned"] = {str(k): str(cfg) for k, cfg in quant_weight_kernel_tuned.cache.items()}
     return rows
 
 

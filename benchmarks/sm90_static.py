@@ -108,6 +108,9 @@ def resources(kernel) -> dict:
     )
     out.update({op: len(re.findall(rf"\b{op}[. ]", sass)) for op in SASS_OPS})
     out["LDG_128"] = len(re.findall(r"\bLDG\.E\.128\b", sass))  # 16-byte vector loads
+    # Global loads issued before the first global store: how much of X or W a quantizer has in flight at once.
+    memory_ops = re.findall(r"\b(LDG|STG)[. ]", sass)
+    out["LDG_before_STG"] = memory_ops.index("STG") if "STG" in memory_ops else len(memory_ops)
     # Warp-specialized: Triton gives each warp group its own code and hands registers to the consumers.
     out["warp_specialized"] = "USETMAXREG" in sass
     out["num_warps"] = kernel.metadata.num_warps
@@ -172,16 +175,24 @@ def grouped_jobs() -> list[dict]:
     return jobs
 
 
+def _slices(cfg) -> str:
+    """A quantizer config in words: its slice rows, warps, and the variants it turns on."""
+    variants = [
+        v for v, on in (("prefetch", cfg.kwargs["PREFETCH"]), ("running max", cfg.kwargs["RUNNING_MAX"])) if on
+    ]
+    return ", ".join([f"{cfg.kwargs['CHUNK']}-rows slices", f"{cfg.num_warps} warps", *variants])
+
+
 def quantize_jobs() -> list[dict]:
     """`quant_act_kernel` (with Xᵀ) and `quant_weight_kernel` (with Wᵀ) at every autotune config."""
     jobs = []
     for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_xk=1, stride_sm=1, stride_stk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
-        name = f"quantize act, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
+        name = f"quantize act, {_slices(cfg)}"
         jobs.append(_job("triton_kernels.quant_act_kernel", _ACT, const, cfg.num_warps, 1, name, ""))
     for cfg in tk._QUANT_CONFIGS:
         const = dict(stride_wk=1, POW2=False, WITH_T=True, BLOCK=128, **cfg.kwargs)
-        name = f"quantize weight, {cfg.kwargs['CHUNK']}-rows slices, {cfg.num_warps} warps"
+        name = f"quantize weight, {_slices(cfg)}"
         jobs.append(_job("triton_kernels.quant_weight_kernel", _WEIGHT, const, cfg.num_warps, 1, name, "128x128"))
     return jobs
 

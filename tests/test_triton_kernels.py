@@ -59,9 +59,9 @@ def _unpadded(q, s, qt, st, m):
 def _quant_configs() -> list:
     """The quantizers' configs to test one by one: on a GPU every config the autotuner may pick (its pick can change
     between runs); in the interpreter, which ignores warps and whose tuned launch takes whole tiles, the smallest
-    slice."""
+    slice plain and slices with both variants (prefetch, running max) on."""
     if not torch.cuda.is_available():
-        return [{"CHUNK": 16}]
+        return [{"CHUNK": 16}, {"CHUNK": 32, "PREFETCH": True, "RUNNING_MAX": True}]
     from trl_fp8.quant.backends.triton_kernels import _QUANT_CONFIGS
 
     return [{**c.kwargs, "num_warps": c.num_warps} for c in _QUANT_CONFIGS]
@@ -181,11 +181,24 @@ def test_fused_act_quantization_keeps_nan_and_inf_as_the_reference_does(pow2, ac
         assert torch.equal(_codes(q), _codes(rq)) and torch.equal(_codes(qt), _codes(rqt))
 
 
+def _weight(w, pow2: bool, config: dict | None, check_finite: bool = True):
+    """`(q, scale_inv, block_amax)`: the weight kernel as it runs (autotuned, checked: no amax handed back), or in
+    one config the autotuner chooses between (unchecked)."""
+    if config is None:
+        q, s, _, _, amax = fast_weight(w, (128, 128), pow2, "w", check_finite=check_finite)
+        return q, s, amax
+    from trl_fp8.quant.backends.triton_kernels import quantize_weight
+
+    q, s, _, _, amax = quantize_weight(w, pow2_scales=pow2, config=config)
+    return q, s, amax
+
+
+@pytest.mark.parametrize("config", [None, *_quant_configs()], ids=_config_id)
 @pytest.mark.parametrize("pow2", [False, True])
-def test_weight_kernel_keeps_nan_and_inf_as_the_reference_does(pow2):
+def test_weight_kernel_keeps_nan_and_inf_as_the_reference_does(pow2, config):
     """Unchecked (a forward defers the check), the weight's NaN stays NaN and its block amax says so."""
     w = _codes_with_nonfinite(200, 300).to(DEVICE)
-    q, s, _, _, amax = fast_weight(w, (128, 128), pow2, "w", check_finite=False)
+    q, s, amax = _weight(w, pow2, config, check_finite=False)
     rq, rs = quantize_blockwise(w, (128, 128), pow2_scales=pow2, check_finite=False)
     assert torch.equal(s, rs) and torch.equal(q.float().isnan(), w.isnan())
     assert torch.equal(amax.isnan(), torch.tensor([[True, False, False], [False, False, True]], device=DEVICE))
@@ -194,14 +207,22 @@ def test_weight_kernel_keeps_nan_and_inf_as_the_reference_does(pow2):
         assert torch.equal(_codes(q), _codes(rq))
 
 
+@pytest.mark.parametrize("config", [None, *_quant_configs()], ids=_config_id)
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_weight_kernel_matches_reference(shape, pow2):
+def test_weight_kernel_matches_reference(shape, pow2, config):
+    """Codes, scales and (in a config, unchecked) each block's amax, the largest |w| whatever its sign: the
+    reference's bits."""
     w = (_on_grid(*shape, seed=1) if pow2 else torch.randn(shape) * 0.02).to(DEVICE)
-    q, s, _, _, amax = fast_weight(w, (128, 128), pow2, "w")
-    assert amax is None  # checked, not handed back
+    q, s, amax = _weight(w, pow2, config)
     rq, rs = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
     assert torch.equal(s, rs)
+    if config is None:
+        assert amax is None  # checked, not handed back
+    else:
+        padded = torch.nn.functional.pad(w.float().abs(), (0, -shape[1] % 128, 0, -shape[0] % 128))
+        blocks = padded.view(padded.shape[0] // 128, 128, -1, 128).amax(dim=(1, 3))
+        assert torch.equal(amax, blocks)
     if pow2 or EXACT_ROUNDING:
         assert torch.equal(_codes(q), _codes(rq))
 

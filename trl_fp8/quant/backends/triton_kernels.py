@@ -67,42 +67,68 @@ def _amax(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _load_slice(ptr, rows, cols, R, C, stride_r, stride_c):
+    """Rows `rows` x columns `cols` of an (R, C) matrix, zeros outside it, in the matrix's own dtype."""
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
+
+
+@triton.jit
+def _slice(ptr, x_next, rows, cols, R, C, stride_r, stride_c, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+    """`(slice, next)`: the slice at `rows` in fp32 and, with PREFETCH, the next slice's load issued before the
+    caller stores this one's results (`x_next` holds this slice, loaded the same way the step before). The compiler
+    may not move a load above a store to a pointer it cannot tell apart: without it each slice waits out a whole
+    memory latency alone (SM90 SASS: a slice's 16-byte loads, its stores, then the next slice's loads)."""
+    if PREFETCH:
+        return x_next.to(tl.float32), _load_slice(ptr, rows + CHUNK, cols, R, C, stride_r, stride_c)
+    return _load_slice(ptr, rows, cols, R, C, stride_r, stride_c).to(tl.float32), x_next
+
+
+@triton.jit
 def quant_act_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
     M, K, M_Q, M_T, stride_xm, stride_xk, stride_qm, stride_sm, stride_sk, stride_stk, stride_stm,
     POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    PREFETCH: tl.constexpr = False, RUNNING_MAX: tl.constexpr = False,
 ):  # fmt: skip
     # One program per 128x128 tile of X, walked in CHUNK-row slices so that few registers are live and many tiles
     # are in flight per SM (a whole fp32 tile per program is latency-bound at ~40% of copy bandwidth). The autotuner
-    # picks CHUNK.
+    # picks CHUNK, PREFETCH (`_slice`) and RUNNING_MAX: Xᵀ's column amax kept per slice position and reduced across
+    # rows once after pass 1, where a reduction per slice crosses warps through shared memory, with barriers (SM90:
+    # 22% fewer instructions at 8 warps; at 4 warps the registers double).
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     # int64 offsets: M * K passes 2**31 at long contexts.
+    row0 = pid_m.to(tl.int64) * BLOCK
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     amax_c = tl.zeros((BLOCK,), dtype=tl.float32)
-    # Pass 1, row-wise usage X (M, K): a row's 128-column block lies whole in each slice. The column amax on the
-    # way, for pass 2.
+    amax_acc = tl.zeros((CHUNK, BLOCK), dtype=tl.float32)
+    # Pass 1, row-wise usage X (M, K): a row's 128-column block lies whole in each slice.
+    x_next = _load_slice(x_ptr, row0 + tl.arange(0, CHUNK), cols, M, K, stride_xm, stride_xk)
     for c in tl.static_range(BLOCK // CHUNK):
-        rows = pid_m.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
-        mask = (rows[:, None] < M) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        rows = row0 + c * CHUNK + tl.arange(0, CHUNK)
+        x, x_next = _slice(x_ptr, x_next, rows, cols, M, K, stride_xm, stride_xk, CHUNK, PREFETCH)
         scale_r = _scale(_amax(x, 1), POW2)
         # Rows M..M_Q are the zero padding (codes 0, scale_inv 1) that cuBLAS's layout wants: loaded as 0 above.
         q_mask = (rows[:, None] < M_Q) & (cols[None, :] < K)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], _cast(x, scale_r[:, None]), mask=q_mask)
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, tl.math.div_rn(1.0, scale_r), mask=rows < M_Q)
         if WITH_T:
-            amax_c = _max_nan(amax_c, _amax(x, 0))
+            if RUNNING_MAX:
+                amax_acc = _max_nan(amax_acc, tl.abs(x))
+            else:
+                amax_c = _max_nan(amax_c, _amax(x, 0))
     if WITH_T:
         # Pass 2, column-wise usage Xᵀ (K, M): one scale per column of X and 128 rows, written transposed. The
         # slices are read again, from L2. (A pass 2 by column slices of all 128 rows, which writes Xᵀ in whole
         # 128-byte lines, wrote non-zero codes into Xᵀ's padding on an H200: benchmarks/RESULTS.md, 2026-12-04.)
+        if RUNNING_MAX:
+            amax_c = _amax(amax_acc, 0)
         scale_c = _scale(amax_c, POW2)
+        x_next = _load_slice(x_ptr, row0 + tl.arange(0, CHUNK), cols, M, K, stride_xm, stride_xk)
         for c in tl.static_range(BLOCK // CHUNK):
-            rows = pid_m.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
-            mask = (rows[:, None] < M) & (cols[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-            qt = tl.trans(_cast(x.to(tl.float32), scale_c[None, :]))
+            rows = row0 + c * CHUNK + tl.arange(0, CHUNK)
+            x, x_next = _slice(x_ptr, x_next, rows, cols, M, K, stride_xm, stride_xk, CHUNK, PREFETCH)
+            qt = tl.trans(_cast(x, scale_c[None, :]))
             # Xᵀ's rows are M_T = whole 128-blocks of tokens long, the padding zeros: wgrad's K needs no copy.
             t_mask = (cols[:, None] < K) & (rows[None, :] < M_T)
             tl.store(qt_ptr + cols[:, None] * M_T + rows[None, :], qt, mask=t_mask)
@@ -113,28 +139,36 @@ def quant_act_kernel(
 def quant_weight_kernel(
     w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, amax_ptr, N, K, stride_wn, stride_wk, KB, T_ROWS, T_BLOCKS, stride_qt,
     stride_st, POW2: tl.constexpr, WITH_T: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    PREFETCH: tl.constexpr = False, RUNNING_MAX: tl.constexpr = False,
 ):  # fmt: skip
     # Wᵀ is written per T_ROWS rows of W (T_BLOCKS 128-row blocks): each expert of a stack (E * N, K) transposed on
     # its own, (E, K, N), as the grouped dgrad reads it; T_ROWS = N for one weight. A tile lies in one expert. Wᵀ's
     # rows are stride_qt codes (stride_st scales) apart: T_ROWS (T_BLOCKS), or more where Wᵀ is the columns of a
     # wider one (stacked siblings' weights, `quantize_weight_rows`).
+    # PREFETCH and RUNNING_MAX as the act kernel's: pass 1 stores nothing, so only pass 2 needs the prefetch.
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     expert = (pid_n // T_BLOCKS).to(tl.int64)
+    row0 = pid_n.to(tl.int64) * BLOCK
     cols = pid_k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     amax_c = tl.zeros((BLOCK,), dtype=tl.float32)
+    amax_acc = tl.zeros((CHUNK, BLOCK), dtype=tl.float32)
     for c in tl.static_range(BLOCK // CHUNK):
-        rows = pid_n.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
-        mask = (rows[:, None] < N) & (cols[None, :] < K)
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
-        w = w.to(tl.float32)
-        amax_c = _max_nan(amax_c, _amax(w, 0))
+        rows = row0 + c * CHUNK + tl.arange(0, CHUNK)
+        w = _load_slice(w_ptr, rows, cols, N, K, stride_wn, stride_wk).to(tl.float32)
+        if RUNNING_MAX:
+            amax_acc = _max_nan(amax_acc, tl.abs(w))
+        else:
+            amax_c = _max_nan(amax_c, _amax(w, 0))
+    if RUNNING_MAX:
+        amax_c = _amax(amax_acc, 0)
     amax = _amax(amax_c, 0)
     scale = _scale(amax, POW2)
+    w_next = _load_slice(w_ptr, row0 + tl.arange(0, CHUNK), cols, N, K, stride_wn, stride_wk)
     for c in tl.static_range(BLOCK // CHUNK):
-        rows = pid_n.to(tl.int64) * BLOCK + c * CHUNK + tl.arange(0, CHUNK)
+        rows = row0 + c * CHUNK + tl.arange(0, CHUNK)
         mask = (rows[:, None] < N) & (cols[None, :] < K)
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
-        q = _cast(w.to(tl.float32), scale)
+        w, w_next = _slice(w_ptr, w_next, rows, cols, N, K, stride_wn, stride_wk, CHUNK, PREFETCH)
+        q = _cast(w, scale)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
         if WITH_T:
             # Wᵀ (K, N), dgrad's K-major operand, from the codes in registers: a copy of W's codes afterwards
@@ -151,9 +185,22 @@ def quant_weight_kernel(
     tl.store(amax_ptr + pid_n * KB + pid_k, amax)
 
 
-# Keyed without the token count M, which changes every RL step: one tuning per hidden size, not per batch.
-_CHUNKS = ((16, 4), (32, 4), (32, 8), (64, 8), (128, 8))
-_QUANT_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c, w in _CHUNKS]
+# Keyed without the token count M, which changes every RL step: one tuning per hidden size, not per batch. (CHUNK,
+# warps, PREFETCH, RUNNING_MAX): the plain slices the H200 chose from on 2026-12-04 (CHUNK 32 at 4 warps won for
+# the act kernel with Xᵀ), and the variants that compile to more loads in flight (16 at 4 warps: 128 registers, 4
+# CTAs per SM still) or fewer instructions (8 warps: 22% fewer in the act kernel, 28-30% in the weight kernel, and
+# no more registers): `python benchmarks/sm90_static.py`. Not yet timed; the autotuner keeps what runs fastest.
+_CHUNKS = (
+    (16, 4, False, False),
+    (32, 4, False, False),
+    (32, 8, False, False),
+    (64, 8, False, False),
+    (128, 8, False, False),
+    (16, 4, True, False),
+    (32, 8, True, True),
+    (64, 8, True, True),
+)
+_QUANT_CONFIGS = [triton.Config({"CHUNK": c, "PREFETCH": p, "RUNNING_MAX": r}, num_warps=w) for c, w, p, r in _CHUNKS]
 
 
 def _untimed(kernel_call, quantiles):
@@ -172,7 +219,7 @@ def _only_in_interpreter(kwargs: dict):
 
 # What Triton's CPU interpreter runs: whole tiles, its fastest (a 512x1024 act quantization in 0.65 s, 2.2 s in 32-row
 # slices). `_UNTIMED` is read when Triton reads TRITON_INTERPRET: as kernels are decorated.
-INTERPRETER_CONFIG = {"CHUNK": 128}
+INTERPRETER_CONFIG = {"CHUNK": 128, "PREFETCH": False, "RUNNING_MAX": False}
 _UNTIMED = {"do_bench": _untimed} if interpreting() else {}
 quant_act_kernel_tuned = triton.autotune(
     configs=_QUANT_CONFIGS,
