@@ -78,7 +78,8 @@ def _slice(ptr, x_next, rows, cols, R, C, stride_r, stride_c, CHUNK: tl.constexp
     """`(slice, next)`: the slice at `rows` in fp32 and, with PREFETCH, the next slice's load issued before the
     caller stores this one's results (`x_next` holds this slice, loaded the same way the step before). The compiler
     may not move a load above a store to a pointer it cannot tell apart: without it each slice waits out a whole
-    memory latency alone (SM90 SASS: a slice's 16-byte loads, its stores, then the next slice's loads)."""
+    memory latency alone (SM90 SASS: a slice's 16-byte loads, its stores, then the next slice's loads). The last
+    slice's prefetch, past the tile, is never used: the compiler drops it (`tests/test_sm90_static.py`)."""
     if PREFETCH:
         return x_next.to(tl.float32), _load_slice(ptr, rows + CHUNK, cols, R, C, stride_r, stride_c)
     return _load_slice(ptr, rows, cols, R, C, stride_r, stride_c).to(tl.float32), x_next
