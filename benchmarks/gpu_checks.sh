@@ -23,9 +23,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 opts=(-v --tb=short -rfE --durations=15)
 python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout=120 --timeout-method=thread)
 python3 -c "import xdist" 2>/dev/null && opts+=(-n 4 --dist loadgroup)
+# The files in the order xdist hands their tests out: the default `torch` path's linears and siblings first (they
+# run the autotuned quantizers), then each quantizer config and the Triton GEMM, so that a run cut short by the
+# timeout (as on 2026-12-04, after test_triton_kernels.py alone) has checked what `backend="auto"` trains with.
 timeout 220 python3 -m pytest -p no:cacheprovider --continue-on-collection-errors "${opts[@]}" \
-  tests/test_triton_kernels.py tests/test_moe_grouped.py tests/test_linear.py tests/test_torch_backend.py \
-  tests/test_siblings.py tests/test_te_backend.py \
+  tests/test_linear.py tests/test_torch_backend.py tests/test_siblings.py tests/test_triton_kernels.py \
+  tests/test_moe_grouped.py tests/test_te_backend.py \
   2>&1 | tee "$out/pytest.log" | grep -E "FAILED|ERROR|XPASS|passed|failed|Timeout" | tail -40
 tests=${PIPESTATUS[0]}
 timeout 310 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 250 "$@" 2>&1 | tee "$out/bench.log" | tail -80
