@@ -113,3 +113,7 @@ def test_every_quantizer_config_compiles_for_sm90(sm90):
         plain, both = act[f"{rows}-rows slices, 8 warps"], act[f"{rows}-rows slices, 8 warps, prefetch, running max"]
         assert both["LDG_before_STG"] == 2 * plain["LDG_before_STG"] and both["LDG"] == plain["LDG"], (plain, both)
         assert both["instructions"] < plain["instructions"], (plain, both)
+    # Where one slice is the whole tile, pass 2 quantizes Xᵀ from pass 1's registers: X is read once, the tile's
+    # bytes in 16-byte loads over the CTA's threads (a second read would double them).
+    whole = act["128-rows slices, 8 warps"]
+    assert whole["LDG"] == 128 * 128 * 2 // (16 * 8 * 32), whole

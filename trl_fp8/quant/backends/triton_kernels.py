@@ -125,10 +125,13 @@ def quant_act_kernel(
         if RUNNING_MAX:
             amax_c = _amax(amax_acc, 0)
         scale_c = _scale(amax_c, POW2)
-        x_next = _load_slice(x_ptr, row0 + tl.arange(0, CHUNK), cols, M, K, stride_xm, stride_xk)
+        if CHUNK < BLOCK:
+            x_next = _load_slice(x_ptr, row0 + tl.arange(0, CHUNK), cols, M, K, stride_xm, stride_xk)
         for c in tl.static_range(BLOCK // CHUNK):
             rows = row0 + c * CHUNK + tl.arange(0, CHUNK)
-            x, x_next = _slice(x_ptr, x_next, rows, cols, M, K, stride_xm, stride_xk, CHUNK, PREFETCH)
+            if CHUNK < BLOCK:
+                x, x_next = _slice(x_ptr, x_next, rows, cols, M, K, stride_xm, stride_xk, CHUNK, PREFETCH)
+            # else one slice is the whole tile: pass 1's `x`, still in registers, read once from memory in all.
             qt = tl.trans(_cast(x, scale_c[None, :]))
             # Xᵀ's rows are M_T = whole 128-blocks of tokens long, the padding zeros: wgrad's K needs no copy.
             t_mask = (cols[:, None] < K) & (rows[None, :] < M_T)
