@@ -25,7 +25,7 @@ python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout=120 --timeout
 python3 -c "import xdist" 2>/dev/null && opts+=(-n 4 --dist loadgroup)
 # The files in the order xdist hands their tests out: the default `torch` path's linears and siblings first (they
 # run the autotuned quantizers), then each quantizer config and the Triton GEMM, so that a run cut short by the
-# timeout (as on 2026-12-04, after test_triton_kernels.py alone) has checked what `backend="auto"` trains with.
+# timeout (as on 2026-12-04, inside test_triton_kernels.py, then first) has checked what `backend="auto"` trains with.
 timeout 220 python3 -m pytest -p no:cacheprovider --continue-on-collection-errors "${opts[@]}" \
   tests/test_linear.py tests/test_torch_backend.py tests/test_siblings.py tests/test_triton_kernels.py \
   tests/test_moe_grouped.py tests/test_te_backend.py \

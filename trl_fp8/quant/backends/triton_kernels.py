@@ -120,8 +120,9 @@ def quant_act_kernel(
                 amax_c = _max_nan(amax_c, _amax(x, 0))
     if WITH_T:
         # Pass 2, column-wise usage Xᵀ (K, M): one scale per column of X and 128 rows, written transposed. The
-        # slices are read again, from L2. (A pass 2 by column slices of all 128 rows, which writes Xᵀ in whole
-        # 128-byte lines, wrote non-zero codes into Xᵀ's padding on an H200: benchmarks/RESULTS.md, 2026-12-04.)
+        # slices are read again, from L2, unless one slice is the whole tile. (A pass 2 by column slices of all 128
+        # rows, which writes Xᵀ in whole 128-byte lines, wrote non-zero codes into Xᵀ's padding on an H200:
+        # benchmarks/RESULTS.md, 2026-12-04.)
         if RUNNING_MAX:
             amax_c = _amax(amax_acc, 0)
         scale_c = _scale(amax_c, POW2)
