@@ -245,19 +245,26 @@ def families(*names: str) -> list:
     ]
 
 
+def free_port() -> str:
+    """A TCP port free now on this machine, for one `accelerate launch --main_process_port`: under pytest-xdist two
+    launches may run at once, and a fixed port (accelerate's default 29500) would be one's EADDRINUSE."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return str(free.getsockname()[1])
+
+
 def launch_two_processes(script, output_dir, *flags, timeout: int = 600, config_file=None) -> list[dict]:
     """Runs `script OUTPUT_DIR *flags` as two ranks through `accelerate launch` and loads each rank's
     `<output_dir>/rank{r}.pt`. `--multi_gpu` selects accelerate's torchrun launcher; scripts that set `use_cpu=True`
     make each rank a CPU process, so DDP runs over gloo (accelerate's `--cpu` flag alone would start one process).
     With `config_file`, an accelerate config (e.g. DeepSpeed's) sets the distributed type instead."""
-    import socket
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with socket.socket() as free:  # a port of its own: the previous launch's may not be released yet
-        free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
+    port = free_port()  # a port of its own: the previous launch's may not be released yet
     launcher = ["--multi_gpu"] if config_file is None else ["--config_file", str(config_file)]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
