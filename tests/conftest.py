@@ -245,16 +245,6 @@ def families(*names: str) -> list:
     ]
 
 
-def free_port() -> str:
-    """A TCP port free now on this machine, for one `accelerate launch --main_process_port`: under pytest-xdist two
-    launches may run at once, and a fixed port (accelerate's default 29500) would be one's EADDRINUSE."""
-    import socket
-
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        return str(free.getsockname()[1])
-
-
 def launch_two_processes(script, output_dir, *flags, timeout: int = 600, config_file=None) -> list[dict]:
     """Runs `script OUTPUT_DIR *flags` as two ranks through `accelerate launch` and loads each rank's
     `<output_dir>/rank{r}.pt`. `--multi_gpu` selects accelerate's torchrun launcher; scripts that set `use_cpu=True`
@@ -264,12 +254,13 @@ def launch_two_processes(script, output_dir, *flags, timeout: int = 600, config_
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    port = free_port()  # a port of its own: the previous launch's may not be released yet
     launcher = ["--multi_gpu"] if config_file is None else ["--config_file", str(config_file)]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         *launcher, "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", port,
+        "--dynamo_backend", "no",
+        # 0: accelerate picks a free port (two launches at once under xdist, or the last one's not yet released)
+        "--main_process_port", "0",
         str(script), str(output_dir), *flags,
     ]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

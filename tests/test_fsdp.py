@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import free_port, launch_two_processes, needs_fsdp2, tiny_policy
+from conftest import launch_two_processes, needs_fsdp2, tiny_policy
 from peft import LoraConfig, get_peft_model
 from test_distributed import SCRIPT, assert_a_sharded_run_computes_what_ddp_does
 from transformers import AutoModelForCausalLM
@@ -97,7 +97,7 @@ def test_the_example_trains_under_fsdp2_and_saves_a_whole_checkpoint(tmp_path):
     root = SCRIPT.parents[2]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CPU),
-        "--main_process_port", free_port(),
+        "--main_process_port", "0",  # a free port, which accelerate picks (its default 29500 may be in use)
         str(SCRIPT.with_name("fsdp_on_cpu.py")), str(root / "examples" / "grpo_fp8.py"),
         "--config", str(root / "recipes" / "demo_cpu.yaml"), "--output_dir", str(tmp_path), "--max_steps", "2",
         "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
