@@ -184,13 +184,15 @@ def triton_marks() -> list:
     except ImportError:
         return [pytest.mark.skip(reason="triton is not installed")]
     import numpy
+    from packaging.version import Version
 
     from trl_fp8.quant.backends._quantize import triton_status
 
-    def version(module):
-        return tuple(map(int, module.__version__.split(".")[:2]))
-
-    old_interpreter = not torch.cuda.is_available() and version(triton) < (3, 7) and version(numpy) >= (2, 4)
+    old_interpreter = (
+        not torch.cuda.is_available()
+        and Version(triton.__version__) < Version("3.7")
+        and Version(numpy.__version__) >= Version("2.4")
+    )
     return [
         pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1]),
         pytest.mark.skipif(old_interpreter, reason="the CPU interpreter of triton < 3.7 fails with numpy >= 2.4"),
