@@ -292,6 +292,11 @@ def test_nonfinite_input_raises_with_name_and_count():
     x[1, 1] = float("inf")
     with pytest.raises(ValueError, match=r"'layers.0.q_proj.weight'.*2 of 1024 elements.*1 NaN, 1 inf"):
         quantize_blockwise(x, (128, 128), name="layers.0.q_proj.weight")
+    # float64 values past fp32's range are finite in their own dtype: the error says what is wrong with them.
+    x = torch.randn(4, 256, dtype=torch.float64)
+    x[2, 3] = -1e300
+    with pytest.raises(ValueError, match=r"'w'.*1 of 1024 elements are beyond float32's range"):
+        quantize_blockwise(x, (128, 128), name="w")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -305,13 +310,16 @@ def test_any_float_dtype_and_leading_dims(dtype):
 
 
 def test_bad_block_size_and_scale_shape_raise():
-    with pytest.raises(ValueError, match="block_size"):
-        quantize_blockwise(torch.randn(4, 4), (0, 128))
+    for bad in [(0, 128), 128, (True, 128), (128,)]:
+        with pytest.raises(ValueError, match="block_size must be two positive ints"):
+            quantize_blockwise(torch.randn(4, 4), bad)
     with pytest.raises(ValueError, match="cannot quantize 'step': expected at least 1 dim, got a 0-dim tensor"):
         quantize_blockwise(torch.tensor(3.0), name="step")
     q, s = quantize_blockwise(torch.randn(256, 256))
     with pytest.raises(ValueError, match="scale_inv has shape"):
         dequantize_blockwise(q, s[:1])
+    with pytest.raises(ValueError, match="cannot dequantize a 0-dim tensor"):
+        dequantize_blockwise(q[0, 0], s[0, 0])
 
 
 _blocks = st.sampled_from([(128, 128), (1, 128), (32, 64)])

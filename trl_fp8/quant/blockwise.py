@@ -29,7 +29,8 @@ _F32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_block_size(block_size: tuple[int, int]) -> tuple[int, int]:
-    if len(block_size) != 2 or any(not isinstance(b, int) or b < 1 for b in block_size):
+    sized = isinstance(block_size, tuple | list) and len(block_size) == 2
+    if not sized or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in block_size):
         raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}")
     return int(block_size[0]), int(block_size[1])
 
@@ -69,10 +70,16 @@ def scale_from_amax(amax: torch.Tensor, *, pow2_scales: bool = False) -> torch.T
 
 def _raise_nonfinite(x: torch.Tensor, name: str) -> None:
     count = int((~torch.isfinite(x)).sum())
+    if count == 0:  # finite in its own dtype (float64), but not in fp32, where the scales are computed
+        big = int((x.abs() > _F32_MAX).sum())
+        raise ValueError(
+            f"cannot quantize {name!r} to FP8: {big} of {x.numel()} elements are beyond float32's range "
+            f"(|x| > {_F32_MAX:.4g}), in which the scales are computed"
+        )
     nans = int(torch.isnan(x).sum())
     raise ValueError(
         f"cannot quantize {name!r} to FP8: {count} of {x.numel()} elements are not finite "
-        f"({nans} NaN, {count - nans} inf). Pass check_finite=False to quantize them anyway."
+        f"({nans} NaN, {count - nans} inf); quantize_blockwise(..., check_finite=False) would quantize them anyway"
     )
 
 
@@ -136,6 +143,8 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Inverse of `quantize_blockwise`: `q.float() * scale_inv` per block, returned in `dtype`."""
     block_size = _check_block_size(block_size)
+    if q.dim() == 0:
+        raise ValueError("cannot dequantize a 0-dim tensor: FP8 codes have at least 1 dim")
     squeeze = q.dim() == 1
     if squeeze:
         q, scale_inv = q.unsqueeze(0), scale_inv.unsqueeze(0)
