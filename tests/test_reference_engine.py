@@ -206,6 +206,17 @@ def test_the_engine_refits_only_when_the_learner_changed(tmp_path, demo_tokenize
     engine.sync_weights()
     assert engine.last_sync is not None
     assert torch.equal(engine.sampler.model.norm.weight, trainer.model.model.norm.weight)
+    # Another Parameter in its place, with the same version counter: the tensor object tells them apart.
+    old = trainer.model.model.norm.weight
+    new = torch.nn.Parameter(old.detach() * 3)
+    with torch.no_grad():
+        for _ in range(old._version - new._version):
+            new.mul_(1)
+    assert new._version == old._version
+    trainer.model.model.norm.weight = new
+    engine.last_sync = None
+    engine.sync_weights()
+    assert engine.last_sync is not None and torch.equal(engine.sampler.model.norm.weight, new)
 
 
 @pytest.mark.parametrize("family", families("gemma4"))

@@ -211,6 +211,21 @@ def test_pending_outputs_go_stale_with_the_weights():
         assert sqnr_db(attn_a.k_proj(x), attn_f.k_proj(x)) > 100
 
 
+def test_a_backward_through_one_sibling_leaves_the_others_computing_anew():
+    """A backward through q's output frees the stacked GEMM's graph: k and v, called afterwards on the same x, must
+    not be handed the outputs it made (their backward would fail), but compute and differentiate as alone."""
+    fused, alone = _pair("llama", num_hidden_layers=1)
+    grads = []
+    for model in (fused, alone):
+        attn = model.model.layers[0].self_attn
+        x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        attn.q_proj(x).square().sum().backward()
+        attn.k_proj(x).square().sum().backward()
+        attn.v_proj(x).sum().backward()
+        grads.append([x.grad, attn.k_proj.weight.grad, attn.v_proj.weight.grad])
+    assert all(sqnr_db(a, f) > 50 for f, a in zip(*grads, strict=True))
+
+
 def test_copies_pickles_and_replicas_after_a_forward():
     """After a forward (caches filled, backends resolved): a deepcopy and a `torch.save` round trip group their own
     members; a `DataParallel` replica (a shallow copy of each module) runs alone on its own weights; deleting the

@@ -15,7 +15,7 @@ from ..quant.kv_cache import (
     calibrate_kv_scales,
     check_kv_cache_supported,
 )
-from ..quant.linear import weights_epoch
+from ..quant.staleness import serial, weights_epoch
 from .gather import learner_gather
 
 
@@ -47,12 +47,12 @@ class LearnerStream:
     def learner_changed(self) -> tuple | None:
         """The learner's weight versions if they changed since the last sync (else `None`): its parameters' and
         those of the buffers the stream carries (a router's `e_score_correction_bias`), so that a change to either
-        alone is sent."""
+        alone is sent, as is a tensor put in place of another (`serial`)."""
         policy = self.learner()
         versions = (
             weights_epoch(),
             adapter_state(policy),
-            *(p._version for p in policy.parameters()),
+            *((serial(p), p._version) for p in policy.parameters()),
             *(b._version for _, b in persistent_buffers(policy)),  # a detached view shares the counter
         )
         return None if versions == self._synced_versions else versions

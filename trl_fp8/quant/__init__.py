@@ -9,7 +9,8 @@ One scale convention everywhere (TransformerEngine's): `scale` multiplies a high
 from .blockwise import FP8_DTYPE, FP8_MAX, dequantize_blockwise, quantize_blockwise, scale_from_amax
 from .convert import convert_to_fp8, fp8_modules, select_fp8_linears
 from .export import iter_fp8_state, stream_nbytes
-from .linear import FP8Linear, mark_weights_changed, weights_epoch
+from .linear import FP8Linear
+from .staleness import mark_weights_changed, weights_epoch
 from .w8a8 import W8A8Linear, quantize_per_token_group
 
 

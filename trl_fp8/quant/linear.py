@@ -6,39 +6,15 @@ all reuse one quantization per optimizer step. Being an `nn.Linear` subclass tha
 `bias` Parameters, a swapped-in `FP8Linear` changes no parameter name, `state_dict` key or optimizer state.
 """
 
+import functools
 import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backends import check_backend_name, resolve_backend
 from .backends._quantize import check_amax
-
-
-# Fused optimizers (transformers' default `adamw_torch_fused`) update parameters without bumping their version
-# counters, so a version alone cannot tell that a weight changed. Every optimizer step bumps this epoch instead.
-_optimizer_steps = 0
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
-
-def weights_epoch() -> int:
-    """How many optimizer steps (of any optimizer) have run in this process, plus `mark_weights_changed()` calls."""
-    return _optimizer_steps
-
-
-def mark_weights_changed() -> None:
-    """Tells every FP8 module that weights changed outside an optimizer step through writes that bypass version
-    counters (`param.data.copy_(...)`, `param.data = ...`): their cached FP8 weights are then re-made."""
-    global _optimizer_steps
-    _optimizer_steps += 1
+from .staleness import mark_weights_changed, serial, weights_epoch
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +50,25 @@ def as_output(y: torch.Tensor) -> torch.Tensor:
     padded rows, the reshape to the input's shape). `detach()` gives a tensor over the same memory that autograd does
     not count as a view, copying nothing; always, since a `_is_view()` test would break `torch.compile`'s graph."""
     return y.detach()
+
+
+def first_order_only(backward):
+    """Marks the `backward` of an FP8 autograd function, whose gradients are FP8 GEMMs without a graph: it refuses to
+    run under `create_graph=True`. `once_differentiable` would answer and fail only a later `.backward()` through its
+    answer; `torch.autograd.grad` prunes its error node (which has no edges) and silently leaves the FP8 terms out of
+    a second-order gradient."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():  # autograd runs a backward in grad mode only under create_graph=True
+            raise RuntimeError(
+                "FP8 layers are differentiable once: their backward GEMMs build no graph, so create_graph=True "
+                "(double backward, gradient penalties, Hessian-vector products) is not supported through them; "
+                "compute such gradients with the layers in high precision"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 def version_of(x: torch.Tensor) -> int | None:
@@ -147,7 +142,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         return as_output(y.reshape(*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # dX has no graph: a double backward must fail, not get nothing
+    @first_order_only
     def backward(ctx, dy):
         saved_w, w_scale_inv_t, xt_fp8, xt_scale_inv = ctx.saved_tensors  # saved_w: FP8 Wᵀ, or W to requantize
         backend, pow2 = ctx.backend, ctx.pow2_scales
@@ -271,7 +266,7 @@ class FP8Linear(nn.Linear):
         return self._quantize_weight(check_finite)
 
     def _weight_key(self, w: torch.Tensor) -> tuple:
-        return (weights_epoch(), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
+        return (weights_epoch(), serial(w), w._version, w.data_ptr(), w.device, w.dtype, self.pow2_scales)
 
     @torch.inference_mode(False)  # a cache filled in inference mode would hold tensors autograd cannot save
     @torch.no_grad()  # inside: inference_mode(False) turns grad mode back on

@@ -27,10 +27,10 @@ from .linear import (
     _SharedActivation,
     as_output,
     autocast_input,
+    first_order_only,
     is_sharded,
-    mark_weights_changed,
-    weights_epoch,
 )
+from .staleness import mark_weights_changed, serial, weights_epoch
 
 
 class _FP8LoraFunction(torch.autograd.Function):
@@ -66,7 +66,7 @@ class _FP8LoraFunction(torch.autograd.Function):
         return as_output(y.reshape(*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
+    @first_order_only
     def backward(ctx, dy):
         w_fp8_t, w_scale_inv_t, x2d, lora_a, lora_b = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -122,11 +122,11 @@ class FP8LoraLinear(LoraLinear):
     def _fp8_key(self, adapters: list[str]) -> tuple:
         base = self.get_base_layer()
         w = base.weight
-        key = [weights_epoch(), base.backend, base.weight_block_size, base.pow2_scales, w._version, w.data_ptr()]
-        key += [w.dtype, w.device]
+        key = [weights_epoch(), base.backend, base.weight_block_size, base.pow2_scales]
+        key += [serial(w), w._version, w.data_ptr(), w.dtype, w.device]
         for a in adapters:
             lora_a, lora_b = self.lora_A[a].weight, self.lora_B[a].weight
-            key += [a, self.scaling[a], lora_a._version, lora_a.data_ptr(), lora_b._version, lora_b.data_ptr()]
+            key += [a, self.scaling[a], *(k for t in (lora_a, lora_b) for k in (serial(t), t._version, t.data_ptr()))]
         return tuple(key)
 
     def _quantized(

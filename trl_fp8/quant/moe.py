@@ -24,8 +24,9 @@ from torch import nn
 
 from .backends import check_backend_name, resolve_backend
 from .backends._quantize import check_amax, triton_status
-from .linear import _FP8LinearFunction, autocast_input, full_shape, is_sharded, weights_epoch
+from .linear import _FP8LinearFunction, autocast_input, full_shape, is_sharded
 from .moe_grouped import grouped_experts_forward
+from .staleness import serial, weights_epoch
 from .w8a8 import W8A8Linear
 
 
@@ -137,7 +138,7 @@ class FP8Experts(ExpertsGate, nn.Module):
 
     def _quantized(self, which: str, check_finite: bool, with_t: bool = False):
         w = getattr(self, which)
-        key, sharded = (weights_epoch(), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w, self)
+        key, sharded = (weights_epoch(), serial(w), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w, self)
         entry = self._cache.get(which)
         if not sharded and entry is not None and entry[0] == key and with_t and entry[3] is None:
             # Quantized where the grouped path did not run (or for the export) and now asked for Wᵀ: from the codes.

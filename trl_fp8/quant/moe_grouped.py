@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from .backends._quantize import fast_act
+from .linear import first_order_only
 
 
 class ExpertGroups(NamedTuple):
@@ -81,7 +82,7 @@ class _GroupedFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
+    @first_order_only
     def backward(ctx, dy):
         from .backends.triton_gemm_kernels import grouped_gemm, grouped_wgrad
 

@@ -27,7 +27,15 @@ import weakref
 import torch
 
 from .blockwise import _raise_nonfinite
-from .linear import FP8Linear, _SharedActivation, autocast_input, is_sharded, version_of, weights_epoch
+from .linear import (
+    FP8Linear,
+    _SharedActivation,
+    autocast_input,
+    first_order_only,
+    is_sharded,
+    version_of,
+)
+from .staleness import serial, weights_epoch
 
 
 # Stacked by conversion: q/k/v. Attention views their outputs as heads and transposes them (strided in BF16 too),
@@ -77,10 +85,11 @@ class _FP8SiblingsFunction(torch.autograd.Function):
         return tuple(_own_tensor(y[..., r0:r1]) for r0, r1 in group.rows)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # as _FP8LinearFunction's: dX has no graph
+    @first_order_only
     def backward(ctx, *dys):
         w_fp8_t, w_s_t, xt_fp8, xt_s = ctx.saved_tensors
         group, backend, n = ctx.group, ctx.backend, len(ctx.group.members)
+        group.forget_outputs_of(ctx)  # this backward frees their graph: a sibling called later computes anew
         dy2ds = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
         m = dy2ds[0].shape[0]
         needs_w = ctx.needs_input_grad[3 : 3 + n]
@@ -178,13 +187,14 @@ class FP8SiblingGroup:
         return members[0]._backend_for(device)
 
     def _key(self) -> tuple:
-        """What the stacked weight and pending outputs were made from: each member's weight (optimizer steps, version,
-        storage, device, dtype) and bias (version, storage)."""
+        """What the stacked weight and pending outputs were made from: each member's weight (optimizer steps, tensor
+        object, version, storage, device, dtype) and bias (tensor object, version, storage)."""
         key = []
         for m in self.members:
             w, b = m.weight, m.bias
             key.append(
-                (w._version, w.data_ptr(), w.device, w.dtype, None if b is None else (b._version, b.data_ptr()))
+                (serial(w), w._version, w.data_ptr(), w.device, w.dtype)
+                + (() if b is None else (serial(b), b._version, b.data_ptr()))
             )
         return (weights_epoch(), self.pow2_scales, *key)
 
@@ -246,6 +256,12 @@ class FP8SiblingGroup:
         # no_grad).
         self._pending = (weakref.ref(x, self._forget), mode, rest) if mode[0] is not None else None
         return outs[i]
+
+    def forget_outputs_of(self, node) -> None:
+        """Drops the pending outputs if autograd `node` made them (its backward is running)."""
+        p = self._pending
+        if p is not None and any(out.grad_fn is node for out in p[2].values()):
+            self._pending = None
 
     def _forget(self, ref: weakref.ref) -> None:
         if self._pending is not None and self._pending[0] is ref:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .blockwise import _raise_nonfinite
-from .linear import weights_epoch
+from .staleness import serial, weights_epoch
 
 
 class _Modifiable(torch.autograd.Function):
@@ -176,7 +176,7 @@ def te_linear_class() -> type:
             """TE's own 128x128 quantization of the weight: `(e4m3 (N, K), scale_inv (ceil(N/128), ceil(K/128)))`,
             cached until the weight changes."""
             w = self.weight
-            key = (weights_epoch(), w._version, w.data_ptr())
+            key = (weights_epoch(), serial(w), w._version, w.data_ptr())
             if self._w_cache is None or self._w_cache[0] != key:
                 # TE's block amax drops NaN (fmaxf) and an inf amax gets scale 1, so TE's scales are always finite:
                 # the weight itself is checked, as FP8Linear's quantizer does.
