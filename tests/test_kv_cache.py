@@ -211,6 +211,47 @@ def test_a_missing_scale_is_an_error_never_one():
         engine.generate(demo_prompts(tokenizer, 2))
 
 
+def test_a_refused_sync_keeps_no_scales_it_measured():
+    """The K/V/Q scales measured for a sync are held only once it loaded: with `recalibrate=False` (the first scales
+    kept for good) a diverged learner's NaN scales would otherwise refuse every later sync."""
+    policy, tokenizer = load_demo_model_and_tokenizer()
+    engine = ReferenceEngine(
+        policy, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    engine.recalibrate = False
+    engine.calibration_batch = left_pad(demo_prompts(tokenizer, 4), tokenizer.pad_token_id)
+    norm = policy.model.layers[1].input_layernorm.weight
+    good = norm.detach().clone()
+    with torch.no_grad():
+        norm[0] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN, inf or non-positive scales in \['model.layers.1.input_layernorm"):
+        engine.sync_weights()
+    assert engine._kv_scale_invs is None
+    with torch.no_grad():
+        norm.copy_(good)
+    engine.sync_weights()
+    held = engine._kv_scale_invs
+    assert held is not None and torch.isfinite(held).all()
+    assert engine.sampler.model.layers[1].self_attn.k_scale.item() == held[1, 0].item()
+
+
+@pytest.mark.skipif(not available("qwen3_5"), reason="transformers has no Qwen3.5")
+def test_a_hybrid_models_missing_q_scale_names_its_attention_layer():
+    """In Qwen3.5 layer 0 is Gated DeltaNet and layer 1 attention: the error named the attention module's position
+    among attention modules (0), not its layer."""
+    engine = ReferenceEngine(
+        tiny("qwen3_5"), Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
+        eos_token_ids=[2], pad_token_id=0, max_completion_length=2,
+    )  # fmt: skip
+    assert engine._attn_names == ["model.layers.1.self_attn"]
+    engine.calibration_batch = (torch.randint(3, 100, (2, 8)), torch.ones(2, 8, dtype=torch.long))
+    engine.sync_weights()
+    engine.sampler.model.layers[1].self_attn.q_scale.fill_(-1.0)
+    with pytest.raises(ValueError, match=r"layer 1 has no valid q_scale \(-1.0\)"):
+        engine.generate([[1, 5, 6]])
+
+
 def test_left_padding_is_masked_with_the_fp8_kv_cache():
     """Prompts of different lengths are left-padded into one batch: the FP8-query attention in front of the model's
     own must still get its padding mask (transformers builds none for an implementation its mask registry does not
@@ -295,13 +336,13 @@ def test_kv_calibration_runs_on_rows_spread_over_the_latest_training_batch(tmp_p
         processing_class=tokenizer,
     )
     engine, calibrated_on = trainer.vllm_generation, []
-    calibrate = engine.calibrate_kv_scales
+    calibrate = engine._measure_kv_scales
 
     def recording_calibrate():
         calibrated_on.append(engine.calibration_batch[0].clone())
         return calibrate()
 
-    engine.calibrate_kv_scales = recording_calibrate
+    engine._measure_kv_scales = recording_calibrate
     # As TRL's sampler orders a batch: 2 prompts x 4 generations, each prompt's side by side.
     batch = [trainer.train_dataset[i] for i in (0, 1) for _ in range(trainer.num_generations)]
     assert batch[0]["prompt"] != batch[-1]["prompt"]

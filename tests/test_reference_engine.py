@@ -4,7 +4,8 @@ distribution it sampled from. On the real tiny Llama and tokenizer, through the 
 
 import pytest
 import torch
-from conftest import digit_trainer, families, tiny_grpo_args, tiny_policy, train_and_check
+from accelerate import Accelerator
+from conftest import digit_trainer, families, tiny_config_kwargs, tiny_grpo_args, tiny_policy, train_and_check
 
 from trl_fp8 import FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.families import tiny
@@ -44,6 +45,21 @@ def test_sampler_follows_the_recipes_scale_rule(tmp_path, demo_tokenizer, pow2):
     trainer.train()
     errors = [log["sampling/token_mult_prob_error"] for log in trainer.state.log_history if "loss" in log]
     assert len(errors) == 2 and max(errors) < 1.005, errors
+    # An engine over a converted learner takes the learner's recipe, whatever it is given.
+    engine = ReferenceEngine(
+        trainer.model, trainer.accelerator, FP8Recipe(pow2_scales=not pow2), fp8=True, dtype=torch.float32,
+        eos_token_ids=[demo_tokenizer.eos_token_id], pad_token_id=demo_tokenizer.pad_token_id,
+    )  # fmt: skip
+    assert all(m.pow2_scales == pow2 for m in engine.sampler.modules() if isinstance(m, W8A8Linear))
+
+
+def test_the_fp8_sampler_takes_128x128_weight_blocks_only(tmp_path, demo_tokenizer):
+    """Refused when it is built, rather than by every scale's shape at the first sync."""
+    with pytest.raises(ValueError, match=r"recipe.weight_block_size \[64, 64\]: the FP8 sampler takes 128x128"):
+        ReferenceEngine(
+            tiny_policy(demo_tokenizer), Accelerator(cpu=True), FP8Recipe(weight_block_size=[64, 64]), fp8=True,
+            dtype=torch.float32, eos_token_ids=[demo_tokenizer.eos_token_id], pad_token_id=demo_tokenizer.pad_token_id,
+        )  # fmt: skip
 
 
 def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
@@ -134,6 +150,48 @@ def test_engine_logprobs_are_the_samplers_processed_logprobs(tmp_path, demo_toke
         torch.testing.assert_close(torch.tensor([lp[0] for lp in lps]), expected, atol=1e-4, rtol=2e-3)
 
 
+def _top_p(logits, p):  # vLLM's apply_top_k_top_p: the least likely tokens whose mass stays within 1 - p go
+    ordered, index = logits.sort(-1)
+    drop = ordered.softmax(-1).cumsum(-1) <= 1 - p
+    drop[..., -1] = False
+    return logits.scatter(-1, index, ordered.masked_fill(drop, -float("inf")))
+
+
+def _min_p(logits, p):
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), -float("inf"))
+
+
+def test_min_p_filters_before_top_p_as_in_vllm():
+    """vLLM's sampler: temperature, then min-p, then top-k/top-p, and the log-probs of what is left. transformers
+    runs min-p last, so that top-p cut the tail at another token: the engine's log-probs were 0.18 nats off on a
+    token of every completion here. An fp32 sampler in high precision: a cached decode and a full forward agree to
+    1e-6, and no token sits that close to a cut."""
+    from trl_fp8.demo.task import load_demo_model_and_tokenizer
+
+    model, tokenizer = load_demo_model_and_tokenizer()
+    temperature, min_p, top_p = 2.0, 0.1, 0.8
+    engine = ReferenceEngine(
+        model, Accelerator(cpu=True), FP8Recipe(), fp8=False, dtype=torch.float32, temperature=temperature,
+        min_p=min_p, top_p=top_p, max_completion_length=8, eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    engine.sync_weights()
+    prompts = [tokenizer(p)["input_ids"] for p in make_dataset(16)["prompt"]]
+    torch.manual_seed(0)
+    _, completions, logprobs, _ = engine.generate(prompts)
+    moved = 0
+    for prompt, completion, lps in zip(prompts, completions, logprobs, strict=True):
+        with torch.no_grad():
+            logits = engine.sampler(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / temperature
+        sampled = torch.tensor(completion)[:, None]
+        vllm = _top_p(_min_p(logits, min_p), top_p).log_softmax(-1).gather(-1, sampled).squeeze(-1)
+        torch.testing.assert_close(torch.tensor([lp[0] for lp in lps]), vllm, atol=1e-5, rtol=0)
+        transformers_order = _min_p(_top_p(logits, top_p), min_p).log_softmax(-1).gather(-1, sampled).squeeze(-1)
+        moved += bool((transformers_order - vllm).abs().max() > 1e-2)
+    assert moved >= len(prompts) // 2  # the two orders differ here: the check above can tell them apart
+
+
 def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_tokenizer):
     trainer = digit_trainer(tmp_path, demo_tokenizer)
     engine = trainer.vllm_generation
@@ -175,6 +233,26 @@ def test_failed_sync_leaves_the_sampler_on_its_last_good_weights(tmp_path, demo_
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"in \['model.embed_tokens.weight'\]"):
         fp16.sync_weights()
+
+
+def test_weights_tied_in_the_sampler_but_not_in_the_learner_are_refused():
+    """The sampler is built from the config, which says tied; a learner whose head was untied in memory streams both
+    tensors, and both landed in the sampler's one tensor, the last winning."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    learner = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(tie_word_embeddings=True)))
+    learner.lm_head.weight = torch.nn.Parameter(3 * learner.model.embed_tokens.weight.detach())
+    engine = ReferenceEngine(
+        learner, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, eos_token_ids=[2], pad_token_id=0
+    )
+    before = engine.sampler.lm_head.weight.clone()
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight and lm_head.weight: one tensor in the sampler"):
+        engine.sync_weights()
+    assert torch.equal(engine.sampler.lm_head.weight, before)
+    learner.lm_head.weight = learner.model.embed_tokens.weight  # tied again: one name in the stream
+    engine.sync_weights()
+    assert torch.equal(engine.sampler.lm_head.weight, learner.lm_head.weight)
 
 
 def test_every_generation_samples_with_the_learners_current_weights(tmp_path, demo_tokenizer):

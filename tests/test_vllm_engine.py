@@ -170,6 +170,8 @@ def test_validate_stream_refuses_bad_streams_before_sending():
     weight = name.removesuffix("_scale_inv")
     with pytest.raises(ValueError, match=rf"{name} has no float8_e4m3fn {weight} beside it"):
         validate_stream([(n, t.float() if n == weight else t) for n, t in pairs], None)
+    with pytest.raises(ValueError, match=rf"{weight} is float8_e4m3fn without its {name} in the sync stream"):
+        validate_stream([(n, t) for n, t in pairs if n != name], None)  # a first sync: no earlier one to compare
     # vLLM would take a non-positive KV scale for 1.0 without a word.
     kv = [*pairs, ("model.layers.0.self_attn.k_scale", torch.tensor(-1.0))]
     with pytest.raises(ValueError, match=r"non-positive scales in \['model.layers.0.self_attn.k_scale'\]"):
@@ -296,7 +298,7 @@ def test_sync_weights_wakes_sleeping_weights_once_even_when_the_reload_fails():
     engine = object.__new__(FP8VLLMGeneration)  # only what sync_weights reads
     engine.llm, engine.enable_sleep_mode, engine._llm_weights_sleeping = _RecordingLLM(fail_reloads=1), True, True
     engine.kv_cache, engine._stream_meta = False, None
-    engine.state_stream = lambda: [("model.norm.weight", torch.ones(4))]
+    engine.state_stream = lambda kv_scale_invs=None: [("model.norm.weight", torch.ones(4))]
     with pytest.raises(RuntimeError, match="simulated out-of-memory"):
         engine.sync_weights()
     assert not engine._llm_weights_sleeping

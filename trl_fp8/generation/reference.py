@@ -4,8 +4,8 @@ It is a separate copy of the policy, as a colocated vLLM engine is: its converte
 `weight_scale_inv` of the export stream (`trl_fp8.quant.export`) and quantize activations per token in groups of
 128 the way vLLM does; attention, norms, embeddings and `lm_head` run in the sampler's dtype, decoding with a KV cache
 (`generate`). It is refitted from the learner's stream whenever the learner's weights changed, and returns, for
-every sampled token, its log-probability after temperature / top-k / top-p (vLLM's `processed_logprobs`), so that
-TRL's importance-sampling correction applies to it exactly as it does to vLLM.
+every sampled token, its log-probability after temperature / min-p / top-k / top-p in vLLM's order (vLLM's
+`processed_logprobs`), so that TRL's importance-sampling correction applies to it exactly as it does to vLLM.
 
 It exposes the two methods of TRL's `VLLMGeneration` that `GRPOTrainer` calls (`sync_weights`, `generate`).
 """
@@ -16,10 +16,17 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+)
 from transformers.modeling_utils import set_zero3_state  # "zero.Init already runs": transformers adds none
 from trl.trainer.utils import pad
 
+from ..quant.adapters import unwrap_peft
 from ..quant.convert import select_fp8_experts, select_fp8_linears
 from ..quant.export import load_state_stream, refuse_nonfinite, stream_nbytes
 from ..quant.kv_cache import CACHE_KWARG, FP8_QUERY_ATTENTION, KV_SCALE_SUFFIXES, FP8KVCache, set_attention
@@ -120,7 +127,8 @@ class ReferenceEngine(LearnerStream):
         accelerator (`accelerate.Accelerator`):
             To unwrap the learner.
         recipe (`FP8Recipe`):
-            Which linears are FP8 and with which scale rule (used when the learner itself is not converted).
+            Which linears are FP8 and with which scale rule, for a learner that is not converted; a converted one's
+            own (`fp8_recipe`) is taken instead.
         fp8 (`bool`):
             Sample in W8A8 block FP8 (`True`) or in high precision (`False`).
         dtype (`torch.dtype`):
@@ -165,6 +173,13 @@ class ReferenceEngine(LearnerStream):
         cast_lm_head_to_fp32: bool = False,
         cache_implementation: str | None = None,
     ):
+        # The sampler quantizes activations and selects its FP8 linears as the learner it receives weights from.
+        recipe = getattr(unwrap_peft(accelerator.unwrap_model(model)), "fp8_recipe", None) or recipe
+        if fp8 and tuple(recipe.weight_block_size) != (128, 128):
+            raise ValueError(
+                f"recipe.weight_block_size {recipe.weight_block_size}: the FP8 sampler takes 128x128 weight blocks "
+                "only, as vLLM's block-FP8 kernels do"
+            )
         if kv_cache and cache_implementation is not None:
             raise ValueError(
                 f"cache_implementation={cache_implementation!r} conflicts with the FP8 KV cache, which the engine "
@@ -199,8 +214,18 @@ class ReferenceEngine(LearnerStream):
             disable_compile=True,  # as TRL's transformers path: no auto-compile of the decode under a static cache
         )
         # As in TRL, `generation_kwargs` override the sampling parameters; the scores are the engine's own.
+        sampling = {**sampling, **check_generation_kwargs(generation_kwargs)}
+        # vLLM filters by min-p between temperature and top-k/top-p (its sampler's steps 7b-7d); transformers after
+        # them, where top-p's cut falls elsewhere: given to generate() as processors, which it runs before top-k/p.
+        self.logits_processor = LogitsProcessorList()
+        if sampling.get("min_p") is not None:
+            temperature = sampling.get("temperature")
+            if temperature is not None and temperature != 1.0:
+                self.logits_processor.append(TemperatureLogitsWarper(temperature))
+            self.logits_processor.append(MinPLogitsWarper(sampling["min_p"]))
+            sampling.update(temperature=1.0, min_p=None)
         self.generation_config = GenerationConfig(
-            **{**sampling, **check_generation_kwargs(generation_kwargs)},
+            **sampling,
             output_scores=True,  # the processed logits, for the sampled tokens' log-probs
             return_dict_in_generate=True,
         )
@@ -221,9 +246,9 @@ class ReferenceEngine(LearnerStream):
         versions = self.learner_changed()
         if versions is None:
             return
-        calibration_seconds = self._maybe_calibrate()
+        kv_scale_invs, calibration_seconds = self._sync_kv_scales()
         start = time.perf_counter()
-        pairs = self.state_stream()
+        pairs = self.state_stream(kv_scale_invs)
         sent, bf16 = stream_nbytes(pairs)
         # The learner's high-precision tensors (embeddings, norms, lm_head, biases) arrive in its dtype, often fp32
         # (TRL loads models in fp32); the sampler runs in bf16 under bf16=True, and vLLM would cast them too. FP8 codes
@@ -232,6 +257,7 @@ class ReferenceEngine(LearnerStream):
         pairs = [(name, t.to(self.sampler.device, _sampler_dtype(name, t, held.get(name)))) for name, t in pairs]
         refuse_nonfinite(pairs)  # after the cast: an fp32 weight past fp16's range would load as inf
         load_state_stream(self.sampler, pairs)
+        self._hold_kv_scales(kv_scale_invs)
         self._synced_versions = versions
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
         if self.kv_cache:
@@ -251,14 +277,17 @@ class ReferenceEngine(LearnerStream):
         if self.kv_cache:
             attn = [self.sampler.get_submodule(name) for name in self._attn_names]
             cache = FP8KVCache({a.layer_idx: (a.k_scale.item(), a.v_scale.item()) for a in attn}, self.sampler.config)
-            for i, a in enumerate(attn):
+            for a in attn:
                 if not a.q_scale.item() > 0:
-                    raise ValueError(f"FP8 KV cache: layer {i} has no valid q_scale ({a.q_scale.item()}); sync first")
+                    raise ValueError(
+                        f"FP8 KV cache: layer {a.layer_idx} has no valid q_scale ({a.q_scale.item()}); sync first"
+                    )
         with profiler or nullcontext():
             out = self.sampler.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=self.generation_config,
+                logits_processor=self.logits_processor,
                 **{CACHE_KWARG: cache},
             )
         sampled = out.sequences[:, width:]

@@ -57,8 +57,9 @@ class LearnerStream:
         )
         return None if versions == self._synced_versions else versions
 
-    def state_stream(self) -> list[tuple[str, torch.Tensor]]:
-        """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one."""
+    def state_stream(self, kv_scale_invs: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+        """What the learner sends: block-FP8 pairs for an FP8 sampler, its own tensors for a high-precision one; with
+        an FP8 KV cache, the Q/K/V scales `kv_scale_invs` (by default those the sampler holds)."""
         policy = self.learner()
         with learner_gather(self.accelerator, self.model) as gather:
             if not self.fp8:
@@ -67,9 +68,10 @@ class LearnerStream:
             converted = getattr(policy, "fp8_recipe", None) is not None
             pairs = list(iter_fp8_state(policy, None if converted else self.recipe, gather=gather))
         if self.kv_cache:
-            if self._kv_scale_invs is None:
+            scale_invs = self._kv_scale_invs if kv_scale_invs is None else kv_scale_invs
+            if scale_invs is None:
                 raise RuntimeError("FP8 KV cache: no Q/K/V scales yet; sync_weights() calibrates them first")
-            pairs += self._kv_scale_pairs(self._kv_scale_invs)
+            pairs += self._kv_scale_pairs(scale_invs)
         return pairs
 
     def _kv_scale_pairs(self, scale_invs: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -92,7 +94,8 @@ class LearnerStream:
 
     @torch.no_grad()
     def calibrate_kv_scales(self) -> float:
-        """Recomputes the Q/K/V scales with the learner's current weights; returns the seconds it took."""
+        """Recomputes the Q/K/V scales the next syncs send with the learner's current weights; returns the seconds it
+        took."""
         start = time.perf_counter()
         self._kv_scale_invs = self._measure_kv_scales()
         return time.perf_counter() - start
@@ -113,7 +116,15 @@ class LearnerStream:
             scale_invs = self.accelerator.reduce(scale_invs.to(self.accelerator.device), reduction="max").cpu()
         return scale_invs
 
-    def _maybe_calibrate(self) -> float:
+    def _sync_kv_scales(self) -> tuple[torch.Tensor | None, float]:
+        """The Q/K/V scales a sync sends, measured anew (or first) but not yet held: the sync holds them once they
+        loaded (a refused stream must leave none behind, which `recalibrate=False` would keep for good); `None` for
+        the held ones. With the seconds it took."""
         if self.kv_cache and (self.recalibrate or self._kv_scale_invs is None):
-            return self.calibrate_kv_scales()
-        return 0.0
+            start = time.perf_counter()
+            return self._measure_kv_scales(), time.perf_counter() - start
+        return None, 0.0
+
+    def _hold_kv_scales(self, scale_invs: torch.Tensor | None) -> None:
+        if scale_invs is not None:
+            self._kv_scale_invs = scale_invs

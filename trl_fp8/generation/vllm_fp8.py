@@ -213,9 +213,10 @@ def deep_gemm_e8m0_env(recipe) -> str:
 def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None) -> dict:
     """Checks a stream before any of it reaches the engine; returns its `{name: (shape, dtype)}`.
 
-    Every `...weight_scale_inv` must be finite and positive beside an e4m3 `...weight` whose shape it covers in
-    128x128 blocks, every high-precision tensor and KV scale finite, and, from the second sync on, names, shapes and
-    dtypes exactly those of the first (vLLM's reload would otherwise fail half-way, or leave tensors unloaded).
+    Every e4m3 tensor must come with its `_scale_inv`, every `...weight_scale_inv` finite and positive beside an
+    e4m3 `...weight` whose shape it covers in 128x128 blocks, every high-precision tensor and KV scale finite, and,
+    from the second sync on, names, shapes and dtypes exactly those of the first (vLLM's reload would otherwise fail
+    half-way, or leave tensors unloaded).
     """
     meta = {name: (tuple(t.shape), t.dtype) for name, t in pairs}
     if len(meta) != len(pairs):
@@ -228,6 +229,8 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
             f"changed {[(n, expected[n], meta[n]) for n in changed[:3]]}"
         )
     for name, t in pairs:
+        if t.dtype == torch.float8_e4m3fn and f"{name}_scale_inv" not in meta:  # vLLM would keep its old scales
+            raise ValueError(f"{name} is float8_e4m3fn without its {name}_scale_inv in the sync stream")
         if name.endswith(".weight_scale_inv"):
             weight = name.removesuffix("_scale_inv")
             if weight not in meta or meta[weight][1] != torch.float8_e4m3fn:
@@ -343,15 +346,15 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
         if self.kv_cache:
             check_kv_scale_backend({k: v for impls in self.llm.apply_model(attention_impls) for k, v in impls.items()})
 
-    def state_stream(self) -> list[tuple[str, torch.Tensor]]:
-        return self.checkpoint_names(super().state_stream())
+    def state_stream(self, kv_scale_invs: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
+        return self.checkpoint_names(super().state_stream(kv_scale_invs))
 
     @torch.no_grad()
     def sync_weights(self) -> None:
         """Refits the engine with the learner's FP8 stream (TRL calls this once per optimizer step)."""
-        calibration_seconds = self._maybe_calibrate()
+        kv_scale_invs, calibration_seconds = self._sync_kv_scales()
         start = time.perf_counter()
-        pairs = self.state_stream()
+        pairs = self.state_stream(kv_scale_invs)
         self._stream_meta = validate_stream(pairs, self._stream_meta)
         sent, bf16 = stream_nbytes(pairs)
         if self.enable_sleep_mode and self._llm_weights_sleeping:
@@ -363,6 +366,7 @@ class FP8VLLMGeneration(LearnerStream, VLLMGeneration):
             self._llm_weights_sleeping = False
         unloaded = refit(self.llm, pairs, sleep_mode=self.enable_sleep_mode)
         check_reload_complete(unloaded, kv_cache=self.kv_cache)
+        self._hold_kv_scales(kv_scale_invs)
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": sent, "bf16_bytes": bf16}
         if self.kv_cache:
             self.last_sync["kv_calibration_seconds"] = calibration_seconds

@@ -246,6 +246,16 @@ def load_state_stream(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
                 f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, "
                 f"the sampler holds {tuple(target.shape)} {target.dtype}"
             )
+    tied: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in pairs:
+        if name in targets:
+            tied.setdefault(id(targets[name]), []).append((name, tensor))
+    for same in tied.values():  # one tensor in the sampler (its config ties them), two in the learner: one is lost
+        if any(not torch.equal(same[0][1], t) for _, t in same[1:]):
+            problems.append(
+                f"{' and '.join(n for n, _ in same)}: one tensor in the sampler (tied, as the model's config says), "
+                "but different in the stream (the learner's are not tied)"
+            )
     covered = {targets[name].data_ptr() for name, _ in pairs if name in targets}
     missing = sorted({n for n, t in targets.items() if t.data_ptr() not in covered})
     if missing:
