@@ -453,6 +453,13 @@ def test_the_trainer_refuses_it_before_converting_the_model_it_was_given(tmp_pat
             args=tiny_grpo_args(tmp_path, fp8_kv_cache=True),
         )  # fmt: skip
     assert getattr(model, "fp8_recipe", None) is None  # the caller's model is left as it was
+    # Given as a path, it is refused from its config, before any weight is read: here there are none to read.
+    tiny("gpt_neox").config.save_pretrained(tmp_path / "gpt_neox")
+    with pytest.raises(ValueError, match=r"not supported for gpt_neox: its attention modules are not named"):
+        FP8GRPOTrainer(
+            model=str(tmp_path / "gpt_neox"), reward_funcs=accuracy_reward, train_dataset=make_dataset(8),
+            args=tiny_grpo_args(tmp_path, fp8_kv_cache=True),
+        )  # fmt: skip
 
 
 def test_kv_cache_config_errors(tmp_path):

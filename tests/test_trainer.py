@@ -300,6 +300,18 @@ def test_config_defaults_and_contradictions(tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
+    # Flags are checked before the checks between fields read them, which named the opposite setting.
+    for fields, message in (
+        (dict(fp8_kv_cache="false", fp8_generation=False), "fp8_kv_cache must be True or False, got 'false'"),
+        (dict(fp8_generation="false", fp8_recipe={"weight_block_size": [64, 64]}), "fp8_generation must be True or"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **fields)
+    # A recipe changed after it was handed over changes neither what the run uses nor what it records.
+    recipe = FP8Recipe()
+    config = FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_recipe=recipe)
+    recipe.weight_block_size = [64, 64]
+    assert config.resolved_fp8_recipe == FP8Recipe() and config.fp8_recipe == FP8Recipe().to_dict()
     # The edges that are allowed: the KV scale at the calibration's plain maximum, vespo with per-token masking, and
     # vespo with a sequence mode while the correction that mode names is off.
     FP8GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp8_kv_scale_percentile=100)
@@ -548,6 +560,18 @@ def test_a_model_converted_before_is_refused_when_fp8_training_is_off(tmp_path, 
     with pytest.raises(ValueError, match=r"fp8_training=False, but the model given was already converted to FP8"):
         digit_trainer(tmp_path, demo_tokenizer, model=model, fp8_training=False)
     assert digit_trainer(tmp_path, demo_tokenizer, model=model).fp8_backend == "emulated"  # with it on: as before
+
+
+def test_a_model_converted_before_is_refused_with_another_recipe_before_peft_wraps_it(tmp_path, demo_tokenizer):
+    """Another recipe was refused only by the conversion, after TRL had wrapped the caller's model with LoRA."""
+    model = convert_to_fp8(tiny_policy(demo_tokenizer), FP8Recipe())
+    with pytest.raises(ValueError, match=r"fp8_recipe: the model given was already converted to FP8 with FP8Recipe"):
+        FP8GRPOTrainer(
+            model=model, reward_funcs=digit_reward, train_dataset=make_dataset(16), processing_class=demo_tokenizer,
+            args=tiny_grpo_args(tmp_path, fp8_recipe=FP8Recipe(pow2_scales=True)),
+            peft_config=LoraConfig(r=8, target_modules=["q_proj"], lora_dropout=0.0),
+        )  # fmt: skip
+    assert not hasattr(model, "peft_config") and type(model.model.layers[0].self_attn.q_proj) is FP8Linear
 
 
 def test_a_recipe_that_converts_nothing_says_so_from_the_users_line(tmp_path, demo_tokenizer):

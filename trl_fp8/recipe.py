@@ -167,11 +167,12 @@ class FP8Recipe(PushToHubMixin):
 
     @classmethod
     def from_any(cls, value: "FP8Recipe | dict | str | os.PathLike | None") -> "FP8Recipe":
-        """Accepts a recipe, a dict of its fields, a JSON file, a folder holding `fp8_recipe.json` or a Hub id."""
+        """Accepts a recipe, a dict of its fields, a JSON file, a folder holding `fp8_recipe.json` or a Hub id. A new
+        recipe every time: a recipe changed after it was handed over (its fields are not frozen) changes nothing."""
         if value is None:
             return cls()
         if isinstance(value, FP8Recipe):
-            return value
+            value = value.to_dict()  # validated again, as a dict would be
         if isinstance(value, dict):
             return cls.from_dict(value)
         if not isinstance(value, (str, os.PathLike)):

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..quant.adapters import unwrap_peft
 from ..quant.backends import available_backends, resolve_backend
+from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.te_linear import te_recipe_status
 from .fp8_grpo_config import FP8GRPOConfig
 
@@ -323,13 +324,33 @@ def check_not_quantized(model, quantization_config, args: FP8GRPOConfig) -> None
     )
 
 
+def check_fp8_kv_cache(model, args: FP8GRPOConfig) -> None:
+    """Refuses, before the model given is converted or a path is loaded (its empty copy is checked), a policy whose
+    KV cache the FP8 KV cache cannot hold (`trl_fp8.quant.kv_cache.check_kv_cache_supported`)."""
+    if not args.fp8_kv_cache:
+        return
+    skeleton = model if isinstance(model, nn.Module) else _meta_skeleton(model, args)
+    if skeleton is not None:
+        check_kv_cache_supported(skeleton)
+
+
 def check_not_converted(model, args: FP8GRPOConfig) -> None:
-    """Refuses a policy an earlier trainer (or `convert_to_fp8`) already converted when `fp8_training=False`: its
-    linears would go on training in FP8 while the run says otherwise (nothing converts them back)."""
+    """Refuses a policy an earlier trainer (or `convert_to_fp8`) already converted, unless with this run's recipe:
+    with `fp8_training=False` its linears would go on training in FP8 while the run says otherwise (nothing converts
+    them back); with another recipe its linears keep the old one. Before TRL wraps it (a `peft_config`)."""
     policy = unwrap_peft(model) if isinstance(model, nn.Module) else None
-    if not args.fp8_training and getattr(policy, "fp8_recipe", None) is not None:
+    previous = getattr(policy, "fp8_recipe", None)
+    if previous is None:
+        return
+    if not args.fp8_training:
         raise ValueError(
-            f"fp8_training=False, but the model given was already converted to FP8 ({policy.fp8_recipe}) and its "
+            f"fp8_training=False, but the model given was already converted to FP8 ({previous}) and its "
             "linears would train in FP8: pass a fresh, unconverted model (e.g. load it again), or set "
             "fp8_training=True."
+        )
+    if previous != args.resolved_fp8_recipe:
+        raise ValueError(
+            f"fp8_recipe: the model given was already converted to FP8 with {previous}, and its linears keep that "
+            f"recipe, not {args.resolved_fp8_recipe}: pass a fresh, unconverted model (e.g. load it again), or "
+            "fp8_recipe equal to the model's."
         )

@@ -150,6 +150,10 @@ class FP8GRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        # First: the checks below read them as flags, and "false" from a Python caller would read as True.
+        for name in ("fp8_training", "fp8_generation", "fp8_kv_cache", "fp8_mismatch_metrics"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         recipe = self.fp8_recipe
         if isinstance(recipe, str) and recipe.lstrip().startswith("{"):
             recipe = _json_field("fp8_recipe", recipe)
@@ -174,9 +178,6 @@ class FP8GRPOConfig(GRPOConfig):
             raise ValueError(
                 "fp8_kv_cache=True needs fp8_generation=True: the FP8 KV cache belongs to the FP8 sampler."
             )
-        for name in ("fp8_training", "fp8_generation", "fp8_kv_cache", "fp8_mismatch_metrics"):
-            if not isinstance(getattr(self, name), bool):  # "false" from a Python caller would read as True
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (_is_real(self.fp8_kv_scale_percentile) and 0 < self.fp8_kv_scale_percentile <= 100):
             raise ValueError(f"fp8_kv_scale_percentile must be in (0, 100], got {self.fp8_kv_scale_percentile!r}")
         if not (_is_real(self.fp8_kv_scale_margin) and 0 < self.fp8_kv_scale_margin < math.inf):

@@ -21,13 +21,13 @@ from ..quant.adapters import unwrap_peft
 from ..quant.backends import resolve_backend
 from ..quant.convert import convert_to_fp8, fp8_modules
 from ..quant.export import stream_checkpoint_names
-from ..quant.kv_cache import check_kv_cache_supported
 from ..quant.lora import check_peft_supported, convert_lora_layers
 from ..quant.te_linear import is_te_linear
 from .checkpoints import load_converted_checkpoint
 from .checks import (
     check_backend_runs_here,
     check_fp8_architecture,
+    check_fp8_kv_cache,
     check_fsdp_supported,
     check_not_converted,
     check_not_quantized,
@@ -118,8 +118,7 @@ class FP8GRPOTrainer(FP8Saving, MismatchMetrics, GRPOTrainer):
         lora = kwargs.get("peft_config") is not None or (not isinstance(model, str) and is_peft_model(model))
         fsdp_version = check_fsdp_supported(args, lora=lora)
         warn_truncated_sampling(args)
-        if args.fp8_kv_cache and isinstance(model, nn.Module):  # before the model given is converted
-            check_kv_cache_supported(model)
+        check_fp8_kv_cache(model, args)
         recipe = args.resolved_fp8_recipe
         if args.fp8_training or args.fp8_generation:
             # With FP8 sampling only, no conversion of the learner would name what stays in high precision.
