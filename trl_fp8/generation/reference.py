@@ -291,9 +291,12 @@ class ReferenceEngine(LearnerStream):
                 **{CACHE_KWARG: cache},
             )
         sampled = out.sequences[:, width:]
-        # `scores` are the processed logits (temperature, top-k/p applied): their log-softmax is what vLLM returns.
-        logps = torch.stack([s.float().log_softmax(-1) for s in out.scores], dim=1)
-        token_logps = logps.gather(-1, sampled.unsqueeze(-1)).squeeze(-1).cpu()
+        # `scores` are the processed logits (temperature, min-p, top-k/p applied): their log-softmax is what vLLM
+        # returns. One step at a time: all of them at once in fp32 would be batch x tokens x vocab (GBs at 150k).
+        token_logps = torch.stack(
+            [s.float().log_softmax(-1).gather(-1, sampled[:, t, None]).squeeze(-1) for t, s in enumerate(out.scores)],
+            dim=1,
+        ).cpu()
         sampled = sampled.cpu()
         completion_ids, logprobs = [], []
         stops = torch.tensor(self.eos_token_ids)
