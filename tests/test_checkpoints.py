@@ -33,6 +33,12 @@ def test_recipe_round_trip(tmp_path):
         FP8GRPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, fp8_recipe=str(tmp_path)).resolved_fp8_recipe
         == recipe
     )
+    (tmp_path / RECIPE_NAME).write_bytes(b"\xff\xfe\x00")  # not UTF-8: a UnicodeDecodeError escaped
+    with pytest.raises(ValueError, match=rf"{RECIPE_NAME} is not valid JSON"):
+        FP8Recipe.from_pretrained(tmp_path)
+    # transformers' save_pretrained(push_to_hub=True) uploads; this one only writes, which it said nothing about.
+    with pytest.raises(ValueError, match=r"upload it with recipe.push_to_hub\(repo_id\)"):
+        recipe.save_pretrained(tmp_path, push_to_hub=True)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +123,29 @@ def test_fp8_checkpoint_loads_in_transformers(tmp_path, demo_tokenizer):
     assert sqnr > 20, f"logits SQNR {sqnr:.1f} dB"
 
 
+def test_a_refused_final_save_leaves_the_folders_recipe_and_a_resume_refuses_the_fp8_checkpoint(
+    tmp_path, demo_tokenizer
+):
+    """The FP8 checkpoint's weights are quantized: resuming from it (on a CPU transformers dequantizes them) would go
+    on training from them, without a word. And a refused save had already written `fp8_recipe.json`: a new folder
+    held it alone, an earlier checkpoint's was overwritten with a recipe that does not describe its weights."""
+    trainer = trainer_for(tmp_path, demo_tokenizer, max_steps=1, fp8_save_format="fp8")
+    trainer.save_model(str(tmp_path / "fp8"))
+    trainer.save_state()
+    master = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint: .*fp8 holds an FP8 checkpoint .*checkpoint-N"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "fp8"))
+    assert all(torch.equal(p, master[n]) for n, p in trainer.model.named_parameters())
+    other = FP8Recipe(pow2_scales=True)
+    other.save_pretrained(tmp_path / "other")
+    with torch.no_grad():
+        trainer.model.model.norm.weight[0] = float("nan")
+    for folder in ("new", "other"):
+        with pytest.raises(ValueError, match=r"in \['model.norm.weight'\]; nothing was written"):
+            trainer.save_model(str(tmp_path / folder))
+    assert not (tmp_path / "new").exists() and FP8Recipe.from_pretrained(tmp_path / "other") == other
+
+
 def test_an_fp8_checkpoint_carries_the_kv_cache_scales_of_its_weights(tmp_path, demo_tokenizer, caplog):
     """With the FP8 KV cache, the FP8 checkpoint holds the Q/K/V scales the next sync would give the sampler for the
     saved weights (vLLM serves it with `kv_cache_dtype="fp8"` on them, not on 1.0), measured without touching the
@@ -191,6 +220,26 @@ def test_a_failed_save_leaves_the_earlier_checkpoint_as_it_was(tmp_path, tiny_ll
     with pytest.raises(OSError, match="No space left"):
         save_fp8_checkpoint(model, str(tmp_path / "new"), FP8Recipe(), max_shard_size="400KB")
     assert not (tmp_path / "new").exists()
+    # A move that fails once every file is written (an I/O error, a Ctrl-C between two renames): the files set
+    # aside come back, whichever rename it was, and a sharded save over a single-file one is no exception.
+    monkeypatch.setattr(fp8_checkpoint, "save_file", real_save_file)
+    real_replace, moves = fp8_checkpoint.os.replace, itertools.count()
+    failing_at = 0
+
+    def interrupted(*args):
+        if next(moves) == failing_at:
+            raise KeyboardInterrupt
+        real_replace(*args)
+
+    monkeypatch.setattr(fp8_checkpoint.os, "replace", interrupted)
+    for failing_at in range(40):  # each rename in turn: the earlier files go aside, then the new ones move in
+        moves = itertools.count()
+        try:
+            save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe(), max_shard_size="400KB")
+            break  # every rename done
+        except KeyboardInterrupt:
+            assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before, failing_at
+    assert failing_at > len(before) and "model.safetensors" not in {p.name for p in (tmp_path / "ckpt").iterdir()}
 
 
 def test_a_checkpoint_with_non_finite_tensors_or_misnamed_kv_scales_is_refused_before_writing(tmp_path, tiny_llama):

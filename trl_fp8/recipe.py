@@ -101,6 +101,11 @@ class FP8Recipe(PushToHubMixin):
         `**kwargs` are accepted for `push_to_hub`, which passes its own."""
         from . import __version__
 
+        if kwargs.get("push_to_hub"):  # transformers' save_pretrained would upload; this one writes only
+            raise ValueError(
+                "FP8Recipe.save_pretrained writes a local file; upload it with recipe.push_to_hub(repo_id)"
+            )
+
         if os.path.isfile(save_directory):
             raise ValueError(f"save_directory {save_directory!r} is a file, expected a folder")
         os.makedirs(save_directory, exist_ok=True)
@@ -138,7 +143,7 @@ class FP8Recipe(PushToHubMixin):
         with open(local) as f:
             try:
                 data = json.load(f)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{local} is not valid JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ValueError(f"{local} must hold a JSON object of FP8Recipe fields")

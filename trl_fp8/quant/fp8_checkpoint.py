@@ -1,8 +1,9 @@
 """A block-FP8 checkpoint of the export stream (`trl_fp8.quant.export`), written whole or not at all.
 
 Every check runs before the first byte is written (the recipe, the names, non-finite tensors, the KV-cache scales),
-and the files are written into a staging folder inside the target and moved in only once all of them exist: a save
-that fails, however late, leaves the folder's earlier checkpoint as it was.
+and the files are written into a staging folder inside the target and moved in only once all of them exist, the ones
+they replace set aside until then: a save that fails, however late, leaves the folder's earlier checkpoint as it
+was (short of the process dying between two renames).
 """
 
 import contextlib
@@ -42,7 +43,11 @@ REPLACED_FILES = (
 )
 
 
-def _remove_replaced_files(save_directory: str, patterns: tuple[str, ...]) -> None:
+def _move_in(staging: str, save_directory: str, patterns: tuple[str, ...]) -> None:
+    """Moves the staged files into `save_directory`. The files they overwrite, and those matching `patterns` (which
+    loaders would take instead), first go into a folder beside them, and come back if a move fails: renames only,
+    so the folder holds its earlier checkpoint or the new one, never a mix (short of a crash between two renames)."""
+    new = sorted(os.listdir(staging))
     replaced = sorted(
         name
         for name in os.listdir(save_directory)
@@ -55,8 +60,24 @@ def _remove_replaced_files(save_directory: str, patterns: tuple[str, ...]) -> No
             "adapter); removed, as the FP8 checkpoint written there replaces them",
             stacklevel=3,
         )
-    for name in replaced:
-        os.remove(os.path.join(save_directory, name))
+    old = sorted(set(replaced) | {n for n in new if os.path.isfile(os.path.join(save_directory, n))})
+    aside = tempfile.mkdtemp(prefix=".trl-fp8-old-", dir=save_directory)
+    moved_old, moved_new = [], []
+    try:
+        for name in old:
+            os.replace(os.path.join(save_directory, name), os.path.join(aside, name))
+            moved_old.append(name)
+        for name in new:
+            os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+            moved_new.append(name)
+    except BaseException:
+        for name in moved_new:
+            os.replace(os.path.join(save_directory, name), os.path.join(staging, name))
+        for name in moved_old:
+            os.replace(os.path.join(aside, name), os.path.join(save_directory, name))
+        os.rmdir(aside)
+        raise
+    shutil.rmtree(aside)
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_size: int | str) -> bool:
@@ -149,10 +170,8 @@ def save_fp8_checkpoint(
         # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
-        # Complete: the earlier files that loaders would take instead go, and the new ones move in (renames).
-        _remove_replaced_files(save_directory, REPLACED_FILES + (("model.safetensors",) if sharded else ()))
-        for name in sorted(os.listdir(staging)):
-            os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+        # Complete: the earlier files that loaders would take instead go, and the new ones move in.
+        _move_in(staging, save_directory, REPLACED_FILES + (("model.safetensors",) if sharded else ()))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created:

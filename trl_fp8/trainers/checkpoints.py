@@ -48,6 +48,13 @@ def load_converted_checkpoint(model: nn.Module, checkpoint: str, caller: str = "
     own = model.state_dict()
     if keys is None or keys <= set(own):  # (tied weights are saved once: fewer keys, never others)
         return False
+    quantized = sorted(k for k in keys if k.endswith("_scale_inv"))
+    if quantized:  # from_pretrained would dequantize it on a CPU: a resume on quantized weights, without a word
+        raise ValueError(
+            f"{caller}: {checkpoint} holds an FP8 checkpoint ({quantized[0]}, ...: the final save with "
+            "fp8_save_format='fp8'), not the master weights training goes on from; resume from a checkpoint-N "
+            "folder, which keeps them"
+        )
     logger.info(
         "trl-fp8: %s is saved in %s's original key layout (%d tensors the model does not name, e.g. %s); loading it "
         "through from_pretrained, which converts them",

@@ -70,12 +70,12 @@ class FP8Saving:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save:
-            self.args.resolved_fp8_recipe.save_pretrained(output_dir)
         # Checkpoints written during training keep the master weights: resuming from FP8 would lose them. The save
         # inside `push_to_hub` is internal too, but it writes what is uploaded.
         final = not _internal_call or getattr(self, "_saving_for_push", False)
         if self.args.fp8_save_format != "fp8" or not final:
+            if self.args.should_save:  # (Trainer's own push reads the folder after an internal save)
+                self.args.resolved_fp8_recipe.save_pretrained(output_dir)
             return super().save_model(output_dir, _internal_call=_internal_call)
         # The FP8 KV cache's scales for these weights, for vLLM serving the checkpoint with an FP8 KV cache (measured
         # on every rank: the ranks agree on one max).
@@ -92,6 +92,8 @@ class FP8Saving:
             with learner_gather(self.accelerator, self.model) as gather:
                 save_fp8_checkpoint(policy, output_dir, recipe, gather=gather, write=write, kv_scales=kv_scales)
         if self.args.should_save:
+            # Once the weights it describes are in: a refused save leaves the folder's earlier recipe as it was.
+            self.args.resolved_fp8_recipe.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))  # as Trainer._save does
