@@ -14,11 +14,11 @@ CPU demo (no GPU, no Hub; about a minute on 2 cores), from the repository root:
 It trains the shipped tiny Llama (`trl-fp8-demo`) on two-digit addition with an exact-match reward, logs reward and
 learner/sampler mismatch every step, and writes `<output_dir>/training_curves.png`.
 
-Real runs use the same script with a GPU recipe (`recipes/`), whose model, dataset and rewards the command line can
-override, e.g. NeMo RL's Llama-3.1-8B math recipe on one node of 8 Hopper GPUs:
+Real runs use the same script with a GPU recipe (`recipes/`), e.g. NeMo RL's Llama-3.1-8B math recipe on one node
+of 8 Hopper GPUs (the command line overrides its model, dataset or rewards, e.g. `--model_name_or_path Qwen/Qwen3-8B`):
 
     accelerate launch --config_file examples/accelerate_configs/zero2_8gpu.yaml examples/grpo_fp8.py \
-        --config recipes/llama31_8b_math_fp8.yaml --model_name_or_path Qwen/Qwen3-8B
+        --config recipes/llama31_8b_math_fp8.yaml
 
 FP8 + LoRA takes TRL's `ModelConfig` flags, with dropout off (the adapters train on their merged FP8 weight):
 
@@ -111,11 +111,12 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         from trl_fp8.demo.task import DEMO_MODEL_DIR
 
         model_name = str(DEMO_MODEL_DIR)
+    # As TRL's script: the model flags, then what `model_init_kwargs` sets over them.
     training_args.model_init_kwargs = {
-        **(training_args.model_init_kwargs or {}),
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
     }
     evaluate = training_args.eval_strategy != "no"
     if script_args.dataset_name == DEMO:
@@ -150,7 +151,7 @@ def main(script_args: ScriptArguments, training_args: FP8GRPOConfig, model_args:
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # as TRL's scripts
-    if trainer.is_fsdp_enabled:  # one checkpoint, gathered from FSDP's shards, that loads anywhere (as TRL's scripts)
+    if trainer.is_fsdp_enabled:  # one checkpoint, gathered from FSDP's shards, that loads anywhere
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)
 

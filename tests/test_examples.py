@@ -98,6 +98,14 @@ def load_example():
     return module
 
 
+def demo_args(example, output_dir, *flags: str) -> tuple:
+    """`example.main`'s arguments for the demo config, 16 prompts a step, no plot, with `flags` over them."""
+    parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
+    common = ["--config", str(ROOT / "recipes" / "demo_cpu.yaml"), "--output_dir", str(output_dir)]
+    common += ["--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none"]
+    return parser.parse_args_and_config(args=[*common, *flags])
+
+
 def test_the_demo_reward_is_an_exact_match_up_to_surrounding_spaces():
     """The demo vocabulary has a space token: a sampled " 68" or "68 " is the right answer, "6 8" is not."""
     completions = [" 68", "68 ", "68<eos>", "6 8", "69"]
@@ -160,15 +168,8 @@ def test_demo_runs_through_accelerate_launch(scripts):
 
 def test_the_example_trains_lora_with_trls_model_config_flags(tmp_path, capsys):
     example = load_example()
-    parser = TrlParser((example.ScriptArguments, FP8GRPOConfig, ModelConfig))
-    args = parser.parse_args_and_config(
-        args=[
-            "--config", str(ROOT / "recipes" / "demo_cpu.yaml"), "--output_dir", str(tmp_path), "--max_steps", "2",
-            "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
-            "--use_peft", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
-        ]
-    )  # fmt: skip
-    example.main(*args)
+    flags = ["--max_steps", "2", "--use_peft", "--lora_target_modules", "all-linear", "--lora_dropout", "0"]
+    example.main(*demo_args(example, tmp_path, *flags))
     assert "token_mult_prob_error: mean 1.0000" in capsys.readouterr().out  # one FP8 grid with LoRA too
     assert (tmp_path / "adapter_model.safetensors").exists() and not (tmp_path / "model.safetensors").exists()
 
@@ -230,6 +231,14 @@ def test_the_example_takes_trls_grpo_script_arguments(tmp_path, capsys):
     for key in ("'rewards/accuracy_reward/mean':", "'eval_rewards/accuracy_reward/mean':", "'eval_reward':"):
         assert key in out, key
     assert "'rewards/soft_overlong_punishment_reward/mean':" in out
+
+
+def test_the_examples_model_init_kwargs_set_over_the_model_flags(tmp_path):
+    """As in TRL's script: what `model_init_kwargs` sets wins over ModelConfig's flags, whose defaults (dtype
+    float32) had silently replaced it."""
+    example = load_example()
+    example.main(*demo_args(example, tmp_path, "--max_steps", "1", "--model_init_kwargs", '{"dtype": "bfloat16"}'))
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
 
 
 def test_the_example_refuses_what_trls_script_would_load_otherwise(tmp_path, monkeypatch):

@@ -91,9 +91,9 @@ def test_kv_calibration_through_the_outermost_module_measures_what_the_decoder_d
 
 @needs_fsdp2()
 def test_the_example_trains_under_fsdp2_and_saves_a_whole_checkpoint(tmp_path):
-    """`examples/grpo_fp8.py` under TRL's FSDP2 settings (`SHARDED_STATE_DICT`) on two processes: it trains, and its
-    final `save_model` writes one checkpoint gathered from the shards (the script sets `FULL_STATE_DICT` first, as
-    TRL's scripts do), which transformers loads whole, with the trained weights."""
+    """`examples/grpo_fp8.py` under TRL's FSDP2 settings with sharded checkpoints (`SHARDED_STATE_DICT`) on two
+    processes: it trains, and its final `save_model` writes one checkpoint gathered from the shards (the script sets
+    `FULL_STATE_DICT` first), which transformers loads whole, with the trained weights."""
     root = SCRIPT.parents[2]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CPU),
