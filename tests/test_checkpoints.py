@@ -3,6 +3,7 @@
 import itertools
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -234,11 +235,15 @@ def test_a_failed_save_leaves_the_earlier_checkpoint_as_it_was(tmp_path, tiny_ll
     monkeypatch.setattr(fp8_checkpoint.os, "replace", interrupted)
     for failing_at in range(40):  # each rename in turn: the earlier files go aside, then the new ones move in
         moves = itertools.count()
-        try:
-            save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe(), max_shard_size="400KB")
-            break  # every rename done
-        except KeyboardInterrupt:
-            assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before, failing_at
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                save_fp8_checkpoint(model, str(tmp_path / "ckpt"), FP8Recipe(), max_shard_size="400KB")
+                break  # every rename done
+            except KeyboardInterrupt:
+                assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before, failing_at
+        assert not any("removed" in str(w.message) for w in caught), failing_at  # it was not
+    assert any("held model.safetensors from an earlier save" in str(w.message) for w in caught)
     assert failing_at > len(before) and "model.safetensors" not in {p.name for p in (tmp_path / "ckpt").iterdir()}
 
 

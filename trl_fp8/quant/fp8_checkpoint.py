@@ -54,12 +54,6 @@ def _move_in(staging: str, save_directory: str, patterns: tuple[str, ...]) -> No
         if os.path.isfile(os.path.join(save_directory, name))
         and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
     )
-    if replaced:
-        warnings.warn(
-            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a PEFT "
-            "adapter); removed, as the FP8 checkpoint written there replaces them",
-            stacklevel=3,
-        )
     old = sorted(set(replaced) | {n for n in new if os.path.isfile(os.path.join(save_directory, n))})
     aside = tempfile.mkdtemp(prefix=".trl-fp8-old-", dir=save_directory)
     moved_old, moved_new = [], []
@@ -78,6 +72,12 @@ def _move_in(staging: str, save_directory: str, patterns: tuple[str, ...]) -> No
         os.rmdir(aside)
         raise
     shutil.rmtree(aside)
+    if replaced:  # once they are gone: a failed save restores them
+        warnings.warn(
+            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a PEFT "
+            "adapter); removed, as the FP8 checkpoint written there replaces them",
+            stacklevel=3,
+        )
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_size: int | str) -> bool:
