@@ -219,8 +219,8 @@ def test_a_failed_save_leaves_the_earlier_checkpoint_as_it_was(tmp_path, tiny_ll
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
     writes = itertools.count()
     with pytest.raises(OSError, match="No space left"):
-        save_fp8_checkpoint(model, str(tmp_path / "new"), FP8Recipe(), max_shard_size="400KB")
-    assert not (tmp_path / "new").exists()
+        save_fp8_checkpoint(model, str(tmp_path / "new" / "nested"), FP8Recipe(), max_shard_size="400KB")
+    assert not (tmp_path / "new").exists()  # nor the folders made to hold it
     # A move that fails once every file is written (an I/O error, a Ctrl-C between two renames): the files set
     # aside come back, whichever rename it was, and a sharded save over a single-file one is no exception.
     monkeypatch.setattr(fp8_checkpoint, "save_file", real_save_file)
@@ -245,6 +245,31 @@ def test_a_failed_save_leaves_the_earlier_checkpoint_as_it_was(tmp_path, tiny_ll
         assert not any("removed" in str(w.message) for w in caught), failing_at  # it was not
     assert any("held model.safetensors from an earlier save" in str(w.message) for w in caught)
     assert failing_at > len(before) and "model.safetensors" not in {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+def test_a_save_clears_what_an_earlier_killed_save_and_another_models_generation_config_left(tmp_path, tiny_llama):
+    """A save killed before its renames leaves its staging folder in the target, which an upload of the folder would
+    push: the next save removes it, and names (never removes) the files a save killed between two renames set aside.
+    A model without a generation config does not inherit the folder's earlier one (its EOS ids, sampling defaults)."""
+    from trl_fp8.quant.fp8_checkpoint import ASIDE_PREFIX, STAGING_PREFIX
+
+    model = convert_to_fp8(tiny_llama, FP8Recipe())
+    save_fp8_checkpoint(model, str(tmp_path), FP8Recipe())
+    assert (tmp_path / "generation_config.json").exists()
+    (tmp_path / f"{STAGING_PREFIX}killed").mkdir()
+    (tmp_path / f"{STAGING_PREFIX}killed" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / f"{ASIDE_PREFIX}killed").mkdir()
+    (tmp_path / f"{ASIDE_PREFIX}killed" / "adapter_config.json").write_text("{}")
+    model.generation_config = None
+    with pytest.warns(UserWarning) as caught:
+        save_fp8_checkpoint(model, str(tmp_path), FP8Recipe())
+    messages = "\n".join(str(w.message) for w in caught)
+    assert f"removed {tmp_path / STAGING_PREFIX}killed, the unfinished files of an earlier save" in messages
+    assert f"{tmp_path / ASIDE_PREFIX}killed holds files an earlier save set aside" in messages
+    assert "held generation_config.json from an earlier save" in messages
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"{ASIDE_PREFIX}killed", "config.json", "model.safetensors"]
+    assert (tmp_path / f"{ASIDE_PREFIX}killed" / "adapter_config.json").read_text() == "{}"
 
 
 def test_a_checkpoint_with_non_finite_tensors_or_misnamed_kv_scales_is_refused_before_writing(tmp_path, tiny_llama):

@@ -3,7 +3,8 @@
 Every check runs before the first byte is written (the recipe, the names, non-finite tensors, the KV-cache scales),
 and the files are written into a staging folder inside the target and moved in only once all of them exist, the ones
 they replace set aside until then: a save that fails, however late, leaves the folder's earlier checkpoint as it
-was (short of the process dying between two renames).
+was (short of the process dying between two renames: the next save then names the folder they wait in). A save
+killed before its renames leaves its staging folder, which the next save into the folder removes.
 """
 
 import contextlib
@@ -26,6 +27,9 @@ from .checkpoint_names import CheckpointNames, checkpoint_module_names
 from .export import Gather, high_precision_modules, iter_fp8_state, refuse_nonfinite
 from .kv_cache import KV_SCALE_SUFFIXES
 
+
+# A save's folders inside its target: the new files until all exist, and the files they replace until they are in.
+STAGING_PREFIX, ASIDE_PREFIX = ".trl-fp8-save-", ".trl-fp8-old-"
 
 _EXPERT_LINEAR_RE = re.compile(r"^(.*\.experts)\.\d+\.(?:gate|up|down)_proj$")
 
@@ -55,7 +59,7 @@ def _move_in(staging: str, save_directory: str, patterns: tuple[str, ...]) -> No
         and any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
     )
     old = sorted(set(replaced) | {n for n in new if os.path.isfile(os.path.join(save_directory, n))})
-    aside = tempfile.mkdtemp(prefix=".trl-fp8-old-", dir=save_directory)
+    aside = tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=save_directory)
     moved_old, moved_new = [], []
     try:
         for name in old:
@@ -74,10 +78,36 @@ def _move_in(staging: str, save_directory: str, patterns: tuple[str, ...]) -> No
     shutil.rmtree(aside)
     if replaced:  # once they are gone: a failed save restores them
         warnings.warn(
-            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, or a PEFT "
-            "adapter); removed, as the FP8 checkpoint written there replaces them",
+            f"trl-fp8: {save_directory} held {', '.join(replaced)} from an earlier save (other weights, a PEFT "
+            "adapter, another model's generation config); removed, as the FP8 checkpoint written there replaces them",
             stacklevel=3,
         )
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders `os.makedirs(path)` would create, innermost first: a failed save removes them again."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_dead_staging(save_directory: str) -> None:
+    """Removes the staging folders of saves into `save_directory` that never finished (a killed process): partial
+    files that `upload_folder` would push with the checkpoint. (A `.trl-fp8-old-*` folder left by a crash between
+    two renames holds an earlier checkpoint's files: it is named, never removed.)"""
+    for name in sorted(os.listdir(save_directory)):
+        path = os.path.join(save_directory, name)
+        if name.startswith(STAGING_PREFIX) and os.path.isdir(path):
+            shutil.rmtree(path)
+            warnings.warn(f"trl-fp8: removed {path}, the unfinished files of an earlier save", stacklevel=3)
+        elif name.startswith(ASIDE_PREFIX) and os.path.isdir(path):
+            warnings.warn(
+                f"trl-fp8: {path} holds files an earlier save set aside and did not restore (the process ended "
+                "between two renames): move back what you need, then remove it",
+                stacklevel=3,
+            )
 
 
 def _write_shards(tensors: dict[str, torch.Tensor], directory: str, max_shard_size: int | str) -> bool:
@@ -133,7 +163,8 @@ def save_fp8_checkpoint(
     with the recipe's `quantization_config` (what stays in high precision listed in `modules_to_not_convert`, in
     transformers' module names, and, where the checkpoint's differ, in `ignored_layers` for vLLM) and the model's
     `generation_config.json`; the folder's files that it replaces (`REPLACED_FILES`: an adapter, another save's
-    weights) are removed, once the new ones are written. `recipe`: an `FP8Recipe` or anything `FP8Recipe.from_any`
+    weights; an earlier `generation_config.json` where the model has none) are removed, once the new ones are
+    written. `recipe`: an `FP8Recipe` or anything `FP8Recipe.from_any`
     takes. `gather` as in `iter_fp8_state`; `write=False` reads the stream and writes nothing (ZeRO-3's gathers are
     collective: the ranks that do not write read it too). `kv_scales`: an FP8 KV cache's Q/K/V scales as the sync
     stream names them (`model.layers.{i}.self_attn.k_scale`), saved beside the weights for vLLM's
@@ -161,22 +192,26 @@ def save_fp8_checkpoint(
     config.quantization_config = recipe.to_quantization_config(modules_to_not_convert=kept)
     if (checkpoint_kept := checkpoint_module_names(model, kept)) != kept:
         config.quantization_config["ignored_layers"] = checkpoint_kept
-    created = not os.path.isdir(save_directory)
+    created = _missing_folders(save_directory)
     os.makedirs(save_directory, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".trl-fp8-save-", dir=save_directory)
+    _remove_dead_staging(save_directory)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=save_directory)
     try:
         sharded = _write_shards(tensors, staging, max_shard_size)
         config.save_pretrained(staging)
-        # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint.
-        if getattr(model, "generation_config", None) is not None:
+        # vLLM and `generate()` read their sampling defaults and EOS ids from it, as from any transformers checkpoint;
+        # without one, an earlier save's would stand for this model's.
+        has_generation_config = getattr(model, "generation_config", None) is not None
+        if has_generation_config:
             model.generation_config.save_pretrained(staging)
         # Complete: the earlier files that loaders would take instead go, and the new ones move in.
-        _move_in(staging, save_directory, REPLACED_FILES + (("model.safetensors",) if sharded else ()))
+        replaced = REPLACED_FILES + (("model.safetensors",) if sharded else ())
+        _move_in(staging, save_directory, replaced + (() if has_generation_config else ("generation_config.json",)))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if created:
-            with contextlib.suppress(OSError):  # only if nothing else was written there meanwhile
-                os.rmdir(save_directory)
+        for folder in created:  # innermost first; only if nothing else was written there meanwhile
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
         raise
     os.rmdir(staging)
     return saved
