@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, dequantize_blockwise, mark_weights_changed, quantize_blockwise
-from trl_fp8.quant.backends import available_backends, emulated, resolve_backend, torch_scaled_mm
+from trl_fp8.quant.backends import available_backends, emulated, resolve_backend, torch_scaled_mm, triton_gemm
 
 
 def q_dq(x: torch.Tensor, block) -> torch.Tensor:
@@ -169,6 +169,22 @@ def test_backend_selection_on_cpu():
         resolve_backend("te")
     with pytest.raises(ValueError, match="unknown FP8 backend 'fast'"):
         resolve_backend("fast")
+
+
+@pytest.mark.skipif(
+    not triton_gemm.is_available(torch.device("cpu"))[0], reason="needs Triton's interpreter (TRITON_INTERPRET=1)"
+)
+def test_the_triton_interpreter_on_cpu_says_once_that_its_e4m3_cast_is_not_exact(caplog):
+    import trl_fp8.quant.backends as backends
+
+    backends._auto_logged.discard("interpreter")
+    with caplog.at_level("WARNING", logger=backends.__name__):
+        for _ in range(2):
+            resolve_backend("triton", torch.device("cpu"))
+    assert [r.getMessage() for r in caplog.records if "interpreter" in r.getMessage()] == [
+        "trl-fp8: backend='triton' on cpu runs Triton's interpreter (TRITON_INTERPRET=1), whose e4m3 cast is not "
+        "exact: for testing the kernels' logic, not for training ('emulated' is the exact CPU path)"
+    ]
 
 
 def _sm90() -> bool:
@@ -430,6 +446,21 @@ def test_a_backend_set_after_a_forward_is_the_one_that_runs(kind):
         m.backend = "emulated"
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
+
+
+def test_an_input_that_is_not_floating_point_is_refused_naming_the_layer():
+    """Token ids passed where hidden states belong: `nn.Linear` answers with a dtype mismatch naming no layer, and the
+    quantizer's error named the tensor 'tensor'."""
+    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
+
+    model = convert_to_fp8(tiny_qwen3_moe(), FP8Recipe(backend="emulated"))
+    ids = torch.randint(0, 100, (1, 8, model.config.hidden_size))
+    for kind, layers in _moe_layer_kinds(model).items():
+        for m in layers:
+            name = re.escape(m.fp8_name.removesuffix(".weight"))
+            args = (ids, torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2)) if kind == "experts" else (ids,)
+            with pytest.raises(TypeError, match=rf"^{name}: expected a floating-point input tensor, got torch\.int64"):
+                m(*args)
 
 
 def test_a_backend_is_checked_when_set_and_siblings_must_share_theirs():

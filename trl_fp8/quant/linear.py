@@ -17,11 +17,15 @@ from .backends._quantize import check_amax
 from .staleness import mark_weights_changed, serial, weights_epoch
 
 
-def autocast_input(x: torch.Tensor) -> torch.Tensor:
+def autocast_input(x: torch.Tensor, where: str) -> torch.Tensor:
     """`x` in the surrounding autocast's dtype, as `nn.Linear` and TE's linear see it under autocast: quantized from
-    that dtype and answered in it (the cast is autograd's, so dX comes back in `x`'s own dtype)."""
+    that dtype and answered in it (the cast is autograd's, so dX comes back in `x`'s own dtype). Anything but a
+    floating-point tensor is refused, naming the layer (`where`): token ids passed where hidden states belong."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{where}: expected a floating-point input tensor, got {got}")
     device = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device):
+    if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         if x.dtype != dtype:
             return x.to(dtype)
@@ -365,7 +369,7 @@ class FP8Linear(nn.Linear):
         if is_sharded(self.weight, self):
             w_fp8_t = w_scale_inv_t = None
         return _FP8LinearFunction.apply(
-            autocast_input(x),
+            autocast_input(x, self._where()),
             self.weight,
             self.bias,
             w_fp8,

@@ -199,7 +199,7 @@ class FP8LoraLinear(LoraLinear):
         lora_a = torch.cat([self.lora_A[a].weight for a in adapters])
         lora_b = torch.cat([self.lora_B[a].weight * self.scaling[a] for a in adapters], dim=1)
         return _FP8LoraFunction.apply(
-            autocast_input(x),
+            autocast_input(x, f"{base._where()} + LoRA"),
             lora_a,
             lora_b,
             base.bias,

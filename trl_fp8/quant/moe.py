@@ -210,7 +210,7 @@ class FP8Experts(ExpertsGate, nn.Module):
         # The fast backends run every expert of the layer in one grouped kernel per GEMM (moe_grouped.py); the
         # emulated oracle loops over experts, as transformers does.
         # Under autocast the GEMMs read the autocast dtype, as transformers' experts do; their sum keeps the input's.
-        x, dtype = autocast_input(hidden_states), hidden_states.dtype
+        x, dtype = autocast_input(hidden_states, self.fp8_name or "FP8Experts"), hidden_states.dtype
         if self._grouped(hidden_states.device):
             return grouped_experts_forward(self, x, top_k_index, top_k_weights, out_dtype=dtype)
         return self.forward_per_expert(x, top_k_index, top_k_weights, out_dtype=dtype)

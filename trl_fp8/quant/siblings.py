@@ -250,7 +250,7 @@ class FP8SiblingGroup:
             return out
         params = [m.weight for m in self.members] + [m.bias for m in self.members]
         # Pending outputs stay keyed on the caller's x: the autocast copy is new at every call.
-        outs = _FP8SiblingsFunction.apply(autocast_input(x), self, torch.is_grad_enabled(), *params)
+        outs = _FP8SiblingsFunction.apply(autocast_input(x, member._where()), self, torch.is_grad_enabled(), *params)
         rest = {j: o for j, o in enumerate(outs) if j != i}
         # An inference tensor keeps no version to match by: its siblings recompute (rare: TRL's policy passes use
         # no_grad).
