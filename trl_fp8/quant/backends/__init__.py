@@ -92,4 +92,12 @@ def resolve_backend(name: str, device: torch.device | None = None) -> ModuleType
         and not (name == "triton" and interpreting())
     ):
         raise RuntimeError(f"FP8 backend {name!r} needs CUDA tensors, got tensors on {device}")
+    if name == "triton" and device is not None and device.type != "cuda" and "interpreter" not in _auto_logged:
+        _auto_logged.add("interpreter")
+        # Its float8 cast does not carry a rounding into the exponent (31.78 -> 16): ~1% of codes differ.
+        logger.warning(
+            "trl-fp8: backend='triton' on %s runs Triton's interpreter (TRITON_INTERPRET=1), whose e4m3 cast is not "
+            "exact: for testing the kernels' logic, not for training ('emulated' is the exact CPU path)",
+            device,
+        )
     return mod
