@@ -22,6 +22,7 @@ def run_two_processes(tmp_path, *flags) -> list[dict]:
 def test_two_process_ddp_ends_with_identical_weights(tmp_path):
     ranks = run_two_processes(tmp_path)
     assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
+    assert [rank["conversion_device"] for rank in ranks] == [None, None]  # the Trainer moved the model
     steps = [log for log in ranks[0]["log_history"] if "loss" in log]
     assert len(steps) == 2 and all("sampling/token_mult_prob_error" in log for log in steps)
     # The mismatch metrics are token means over both ranks' rollouts (summed across ranks, then divided), so every
@@ -61,6 +62,8 @@ def test_two_process_deepspeed_zero2_trains_fp8_as_the_recipes_do(tmp_path, lora
     its learner's FP8 weights (with LoRA, the merged ones) bit for bit."""
     ranks = launch_two_processes(SCRIPT, tmp_path, *["--lora"] * lora, config_file=ZERO2_CPU)
     assert [rank["zero_stage"] for rank in ranks] == [2, 2] and ranks[0]["world_size"] == 2
+    # The device DeepSpeed trains on (the CPU here): TE's linears would be built there, not where the model waits.
+    assert [rank["conversion_device"] for rank in ranks] == ["cpu", "cpu"]
     for rank in ranks:
         assert len(rank["fresh_fp8_weights"]) == 14 and all(rank["fresh_fp8_weights"]), rank["fresh_fp8_weights"]
     for name, p0 in ranks[0]["params"].items():

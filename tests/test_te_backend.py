@@ -117,6 +117,44 @@ def test_a_usable_transformer_engine_says_how_it_runs_the_recipe(monkeypatch, ca
         te_status.cache_clear()
 
 
+def test_te_is_chosen_for_the_device_the_model_will_train_on(monkeypatch, caplog):
+    """Under DeepSpeed ZeRO-1/2 the model is still on the CPU when the trainer converts it (DeepSpeed moves it at
+    `train()`): `auto` left TE out and `te` refused, whatever GPU the run trains on. Stand-ins again (TE cannot run
+    here): a TE that runs the recipe on an SM90, and its linear class, which records where it is built."""
+    import trl_fp8.quant.convert as convert
+
+    package, module = types.ModuleType("transformer_engine"), types.ModuleType("transformer_engine.pytorch")
+    module.autocast, module.is_fp8_block_scaling_available = None, lambda return_reason: (True, "")
+    package.__version__, package.pytorch = "2.20.2", module
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", module)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    built = []
+
+    class StandInTELinear(nn.Linear):
+        @classmethod
+        def from_linear(cls, linear, *, pow2_scales, name=None, device=None):
+            built.append((name, device))
+            return linear
+
+    monkeypatch.setattr(convert, "te_linear_class", lambda: StandInTELinear)
+    te_status.cache_clear()
+    try:
+        model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs()))
+        with pytest.raises(RuntimeError, match=r"'te' cannot run here: the model is not on a GPU \(pass `device=`"):
+            convert_to_fp8(copy.deepcopy(model), FP8Recipe(backend="te"))
+        with caplog.at_level("INFO", logger=convert.__name__):
+            auto = convert_to_fp8(copy.deepcopy(model), FP8Recipe(backend="auto"))
+        assert sum(isinstance(m, FP8Linear) for m in auto.modules()) == 3 * 7 and not built
+        assert "backend='auto' leaves TransformerEngine out (the model is not on a GPU" in caplog.text
+        for backend in ("te", "auto"):
+            built.clear()
+            convert_to_fp8(copy.deepcopy(model), FP8Recipe(backend=backend), device="cuda")
+            assert len(built) == 3 * 7 and {d for _, d in built} == {torch.device("cuda")}
+    finally:
+        te_status.cache_clear()
+
+
 te_only = pytest.mark.skipif(not TE_OK, reason=f"needs TransformerEngine on a GPU ({te_status()[1]})")
 
 

@@ -35,6 +35,7 @@ from trl_fp8.quant.adapters import unwrap_peft  # noqa: E402
 from trl_fp8.quant.kv_cache import calibrate_kv_scales  # noqa: E402
 from trl_fp8.quant.lora import FP8LoraLinear  # noqa: E402
 from trl_fp8.quant.moe import FP8Experts  # noqa: E402
+from trl_fp8.trainers.sharded import training_device  # noqa: E402
 
 
 def gathered(model):
@@ -161,6 +162,8 @@ def main(output_dir: str, lora: bool, beta: float, moe: bool, save_fp8: bool, gc
             if trainer.is_deepspeed_enabled
             else None,
             "fresh_fp8_weights": fresh,
+            # Where TE's linears would be chosen for and built: DeepSpeed moves the model there only at train().
+            "conversion_device": getattr(training_device(trainer), "type", None),
             "sharded_at_start": sharded_at_start,
             "empty_outside_a_gather": empty,
             "ref_grouped": ref_grouped,

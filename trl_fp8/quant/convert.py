@@ -15,6 +15,7 @@ import logging
 import re
 import warnings
 
+import torch
 from torch import nn
 
 from .linear import FP8Linear, full_shape, is_sharded
@@ -196,7 +197,9 @@ def check_fp8_selection(
     return selected, experts
 
 
-def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> nn.Module:
+def convert_to_fp8(
+    model: nn.Module, recipe=None, *, sharded: bool = False, device: torch.device | str | None = None
+) -> nn.Module:
     """Converts `model`'s decoder-layer linears to `FP8Linear` in place and returns `model`.
 
     Args:
@@ -208,6 +211,10 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
             Whether the parameters are (or will be) sharded by DeepSpeed ZeRO-3 or FSDP2: TransformerEngine's
             linears, which copy the weights they are given and cache their own FP8 weights, are then left out
             (`auto` takes trl-fp8's linears; `te` raises), and the FP8 modules are marked (`mark_sharded`).
+        device (`torch.device` or `str`, *optional*):
+            The device the model will train on, where its parameters are not there yet (DeepSpeed ZeRO-1/2 moves
+            them at `train()`): whether TransformerEngine's linears can run is decided for it, and they are built
+            there. Defaults to the device of the parameters.
 
     Parameters, their names and `state_dict` keys are unchanged (the new modules hold the same Parameters).
     Converting an already converted model again with the same recipe is a no-op; with another recipe, or a model
@@ -228,7 +235,8 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
             f"{type(model).__name__} was already converted with {previous}; convert the original model to use {recipe}"
         )
     selected, experts = check_fp8_selection(model, recipe)
-    te_linear = _te_linear_for(model, recipe, sharded or any(is_sharded(p) for p in model.parameters()))
+    device = None if device is None else torch.device(device)
+    te_linear = _te_linear_for(model, recipe, sharded or any(is_sharded(p) for p in model.parameters()), device)
     for name in selected:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -240,7 +248,7 @@ def convert_to_fp8(model: nn.Module, recipe=None, *, sharded: bool = False) -> n
         if isinstance(module, FP8Linear) or is_te_linear(module):
             continue
         if te_linear is not None and not adapted:
-            new = te_linear.from_linear(module, pow2_scales=recipe.pow2_scales, name=name)
+            new = te_linear.from_linear(module, pow2_scales=recipe.pow2_scales, name=name, device=device)
         else:
             new = FP8Linear.from_linear(
                 module,
@@ -290,8 +298,9 @@ def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear | FP8Experts) or is_te_linear(m)}
 
 
-def _te_linear_for(model: nn.Module, recipe, sharded: bool):
-    """TransformerEngine's linear class when the recipe asks for it (or `auto` finds it usable), else `None`."""
+def _te_linear_for(model: nn.Module, recipe, sharded: bool, device: torch.device | None):
+    """TransformerEngine's linear class when the recipe asks for it (or `auto` finds it usable) and the model trains
+    on a GPU (`device`, else where its parameters are), else `None`."""
     if recipe.backend not in ("te", "auto"):
         return None
     if sharded:
@@ -300,11 +309,12 @@ def _te_linear_for(model: nn.Module, recipe, sharded: bool):
         logger.info("trl-fp8: backend='auto' leaves TransformerEngine out on sharded parameters (ZeRO-3, FSDP2)")
         return None
     ok, why = te_recipe_status(recipe.pow2_scales)
-    on_gpu = any(p.is_cuda for p in model.parameters())
+    on_gpu = device.type == "cuda" if device is not None else any(p.is_cuda for p in model.parameters())
+    not_on_gpu = "the model is not on a GPU (pass `device=` where it will train)"
     if recipe.backend == "te" and not (ok and on_gpu):
-        raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else 'the model is not on a GPU'}")
-    if not ok and on_gpu and te_status()[0]:  # TE is there but not for this scale rule (Blackwell, fp32 scales)
-        logger.info("trl-fp8: backend='auto' leaves TransformerEngine out (%s)", why)
+        raise RuntimeError(f"FP8 backend 'te' cannot run here: {why if not ok else not_on_gpu}")
+    if te_status()[0] and not (ok and on_gpu):  # TE is there, but not for this scale rule (Blackwell, fp32) or device
+        logger.info("trl-fp8: backend='auto' leaves TransformerEngine out (%s)", why if not ok else not_on_gpu)
     if not (ok and on_gpu) or recipe.weight_block_size != [128, 128]:  # TE's block recipe is 128x128 only
         return None
     logger.info("trl-fp8: backend=%r converts linears to TransformerEngine (%s)", recipe.backend, why)

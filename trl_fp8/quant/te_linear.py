@@ -133,13 +133,16 @@ def te_linear_class() -> type:
         set_extra_state = nn.Module.set_extra_state
 
         @classmethod
-        def from_linear(cls, linear: nn.Linear, *, pow2_scales: bool, name: str | None = None) -> "TEFP8Linear":
+        def from_linear(
+            cls, linear: nn.Linear, *, pow2_scales: bool, name: str | None = None, device: torch.device | None = None
+        ) -> "TEFP8Linear":
+            """`linear`'s weights copied into a TE linear on `device` (where the model will train), else on theirs."""
             new = cls(
                 linear.in_features,
                 linear.out_features,
                 bias=linear.bias is not None,
                 params_dtype=linear.weight.dtype,
-                device=linear.weight.device,
+                device=device if device is not None else linear.weight.device,
                 init_method=lambda weight: None,  # copied over below: no init work, no draw from the CUDA RNG
             )
             with torch.no_grad():
@@ -163,7 +166,8 @@ def te_linear_class() -> type:
             pad = -x2d.shape[0] % 16
             if pad:
                 x2d = torch.nn.functional.pad(x2d, (0, 0, 0, pad))
-            with te.autocast(enabled=True, recipe=self.te_recipe):
+            # TE allocates on the current device: a model spread over GPUs (`device_map`) runs each layer on its own.
+            with torch.cuda.device(self.weight.device), te.autocast(enabled=True, recipe=self.te_recipe):
                 y = super().forward(x2d, *args, **kwargs)
             return modifiable(y)[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
 
@@ -189,7 +193,8 @@ def te_linear_class() -> type:
                     block_scaling_dim=2,
                     force_pow_2_scales=self.pow2_scales,
                 )
-                qt = quantizer(w)
+                with torch.cuda.device(w.device):
+                    qt = quantizer(w)
                 k_blocks = math.ceil(w.shape[1] / 128)
                 # TE pads the K-block columns of the scales to a multiple of 4 for its GEMMs; checkpoints have none.
                 q = qt._rowwise_data.view(torch.float8_e4m3fn)

@@ -47,7 +47,13 @@ from .kv_calibration import (
 )
 from .mismatch import MismatchMetrics
 from .saving import FP8Saving
-from .sharded import prepare_for_fsdp2, prepare_for_zero3, reference_converted_before_wrapping, sharding
+from .sharded import (
+    prepare_for_fsdp2,
+    prepare_for_zero3,
+    reference_converted_before_wrapping,
+    sharding,
+    training_device,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -159,7 +165,7 @@ class FP8GRPOTrainer(FP8Saving, MismatchMetrics, GRPOTrainer):
                     # With PEFT: the frozen base linears in FP8, each LoRA layer on its merged weight in FP8.
                     how = sharding(self)
                     policy = unwrap_peft(self.accelerator.unwrap_model(self.model))
-                    policy = convert_to_fp8(policy, recipe, sharded=how is not None)
+                    policy = convert_to_fp8(policy, recipe, sharded=how is not None, device=training_device(self))
                     convert_lora_layers(policy)
                     ref = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
                     if ref is not None and getattr(ref, "fp8_recipe", None) is None:  # (wrapped ones: converted)

@@ -14,6 +14,7 @@ its units, which register the hooks.
 import warnings
 from contextlib import contextmanager
 
+import torch
 import trl.trainer.grpo_trainer as trl_grpo
 from torch import nn
 
@@ -47,6 +48,13 @@ def sharding(trainer) -> str | None:
     if trainer._dist.is_zero3:
         return "zero3"
     return "fsdp2" if trainer._dist.fsdp_version == 2 else None
+
+
+def training_device(trainer) -> torch.device | None:
+    """Where DeepSpeed moves the models at `train()` (until then they stay where they were loaded, on the CPU): the
+    conversion decides for it whether TransformerEngine's linears can run, and builds them there. `None` otherwise
+    (the parameters' own device): the Trainer has moved them, or a `device_map` spreads them."""
+    return trainer.accelerator.device if trainer.is_deepspeed_enabled else None
 
 
 @contextmanager
@@ -83,7 +91,8 @@ def convert_reference(trainer, ref_model: nn.Module) -> None:
     how = sharding(trainer)
     with warnings.catch_warnings():  # the policy's conversion warns of the same layers
         warnings.simplefilter("ignore")
-        convert_to_fp8(ref_model, trainer.args.resolved_fp8_recipe, sharded=how is not None)
+        recipe, device = trainer.args.resolved_fp8_recipe, training_device(trainer)
+        convert_to_fp8(ref_model, recipe, sharded=how is not None, device=device)
     if how == "zero3":
         prepare_for_zero3(ref_model)
     elif how == "fsdp2":
