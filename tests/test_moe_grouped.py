@@ -250,3 +250,29 @@ def test_a_nan_expert_weight_costs_no_sync_in_training_and_is_refused_at_export(
     assert counter.count == 0
     with pytest.raises(ValueError, match=rf"'{experts.fp8_name}.down_proj'.*1 of .* not finite \(1 NaN"):
         dict(iter_fp8_state(model))
+
+
+@pytest.mark.parametrize("path", ["grouped", "per_expert"])
+def test_experts_train_after_a_forward_in_inference_mode(path):
+    """A forward under `torch.inference_mode()` (an eval or a `generate()`) filled the experts' FP8 weight cache with
+    inference tensors, which the next training step's autograd refused to save: it failed. It now trains as a copy
+    that never ran in inference mode does, bit for bit."""
+    model = tiny_qwen3_moe().to(DEVICE)
+    convert_to_fp8(model, FP8Recipe(backend="triton"))
+    experts = next(m for m in model.modules() if isinstance(m, FP8Experts))
+    fresh = copy.deepcopy(experts)
+    torch.manual_seed(1)
+    x = torch.randn(64, experts.gate_up_proj.shape[-1], device=DEVICE)
+    top_k_index = torch.randint(0, experts.num_experts, (64, 2), device=DEVICE)
+    top_k_weights = torch.rand(64, 2, device=DEVICE)
+    run = (lambda m: m.forward) if path == "grouped" else (lambda m: m.forward_per_expert)
+    with torch.inference_mode():
+        run(experts)(x, top_k_index, top_k_weights)
+    assert experts._cache  # what the training step reuses
+    grads = []
+    for module in (experts, fresh):
+        xi = x.clone().requires_grad_()
+        run(module)(xi, top_k_index, top_k_weights).square().sum().backward()
+        grads.append((xi.grad, module.gate_up_proj.grad, module.down_proj.grad))
+    for got, ref in zip(*grads, strict=True):
+        assert torch.equal(got, ref)

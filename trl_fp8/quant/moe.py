@@ -136,6 +136,8 @@ class FP8Experts(ExpertsGate, nn.Module):
         """`quantized(which)` plus the transposed codes (E, K, N), K-major for the grouped dgrad; once per step."""
         return self._quantized(which, check_finite=False, with_t=True)
 
+    @torch.inference_mode(False)  # as FP8Linear's: a cache filled in inference mode would hold tensors autograd cannot
+    @torch.no_grad()  # save (the next training step failed); inside: inference_mode(False) turns grad mode back on
     def _quantized(self, which: str, check_finite: bool, with_t: bool = False):
         w = getattr(self, which)
         key, sharded = (weights_epoch(), serial(w), w._version, w.data_ptr(), self.pow2_scales), is_sharded(w, self)
