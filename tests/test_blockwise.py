@@ -152,6 +152,18 @@ def test_sampler_linear_sees_new_scales_under_the_same_codes():
     assert torch.equal(layer(x), 2 * y)
     layer.weight.copy_((-q.float()).to(FP8_DTYPE))  # the codes alone change (negation is exact in E4M3)
     assert torch.equal(layer(x), -2 * y)
+    # New buffers (`assign=True`), fresh tensors whose versions equal the old ones' (0): the cache was served.
+    state = {"weight": q.clone(), "weight_scale_inv": scale_inv.clone()}
+    fresh = W8A8Linear(300, 200, bias=False, dtype=torch.float32)
+    assert not fresh(x).any()  # its zero weights, dequantized and cached
+    fresh.load_state_dict(state, assign=True)
+    assert torch.equal(fresh(x), y)
+    with torch.inference_mode():  # buffers that keep no version counter: dequantized at each call
+        built = W8A8Linear(300, 200, bias=False, dtype=torch.float32)
+        built.load_state_dict(state)
+        assert torch.equal(built(x), y)
+        built.weight_scale_inv.mul_(2)
+        assert torch.equal(built(x), 2 * y)
 
 
 def test_a_dtype_move_keeps_the_sampler_linears_fp8_weight_and_fp32_scales():

@@ -192,6 +192,19 @@ def _sm90() -> bool:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CPU divides exactly either way")
+def test_the_samplers_activation_scales_divide_on_the_gpu_as_on_the_cpu():
+    """`amax / 448` with a Python float is a multiplication by its reciprocal on CUDA (PyTorch's true-divide kernel),
+    1 ulp off for about half the groups; vLLM's kernel and the contract divide."""
+    from trl_fp8.quant.w8a8 import quantize_per_token_group
+
+    x = torch.randn(64, 1024) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    q_cpu, s_cpu = quantize_per_token_group(x)
+    q_gpu, s_gpu = quantize_per_token_group(x.cuda())
+    assert torch.equal(s_gpu.cpu(), s_cpu) and torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
 def test_auto_takes_the_oracle_for_weight_blocks_the_fast_gemms_refuse():
     layer = FP8Linear(256, 256, backend="auto", weight_block_size=(64, 128), device="cuda")

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from .blockwise import FP8_DTYPE, FP8_MAX, dequantize_blockwise
+from .linear import version_of
+from .staleness import serial
 
 
 VLLM_ACT_EPS = 1e-10
@@ -53,7 +55,9 @@ def quantize_per_token_group(
         xf = nn.functional.pad(xf, (0, pad))
     xg = xf.reshape(*xf.shape[:-1], -1, group_size)
     amax = xg.abs().amax(dim=-1, keepdim=True).clamp_min(eps)
-    scale_inv = amax / FP8_MAX
+    # tensor/tensor, as vLLM's kernel divides: on CUDA, PyTorch takes `tensor / python_float` as a multiplication by
+    # the float's reciprocal, 1 ulp off for about half the groups.
+    scale_inv = amax / torch.full_like(amax, FP8_MAX)
     if pow2_scales:
         scale_inv = _pow2_ceil(scale_inv)
     q = (xg / scale_inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -102,10 +106,13 @@ class W8A8Linear(nn.Module):
         return self
 
     def dequantized_weight(self) -> torch.Tensor:
-        # Keyed on the buffers' version counters: any in-place load (sync, load_state_dict) invalidates it.
-        key = (self.weight._version, self.weight_scale_inv._version)
-        if self._w_dq is None or self._w_dq[0] != key:
-            self._w_dq = (key, dequantize_blockwise(self.weight, self.weight_scale_inv, (128, 128)))
+        # Keyed on the buffers, and their version counters: an in-place load (sync, load_state_dict) or new buffers
+        # (`load_state_dict(assign=True)`, whose fresh tensors may share the old ones' versions) invalidate it.
+        # Buffers made under inference mode keep no version: dequantized at each call.
+        w, s = self.weight, self.weight_scale_inv
+        key = (serial(w), version_of(w), w.data_ptr(), serial(s), version_of(s), s.data_ptr())
+        if self._w_dq is None or self._w_dq[0] != key or None in key:
+            self._w_dq = (key, dequantize_blockwise(w, s, (128, 128)))
         return self._w_dq[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
