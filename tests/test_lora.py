@@ -105,6 +105,19 @@ def test_disabled_or_merged_adapters_run_the_fp8_base_layer():
     assert torch.equal(merged, lora_out)  # Q(W + s·B·A) either way
 
 
+def test_a_trainable_base_weight_is_refused_not_left_without_a_gradient():
+    """PEFT's LoRA layer over an `nn.Linear` gives an unfrozen base weight its gradient; the FP8 LoRA layer computes
+    none (no N x K wgrad), so training it would silently leave it unchanged: refused, naming the layer."""
+    model = fp8_lora_llama()
+    layer = model.base_model.model.model.layers[2].self_attn.v_proj
+    layer.get_base_layer().weight.requires_grad_(True)
+    x = torch.randn(4, 256)
+    with pytest.raises(RuntimeError, match=r"model\.layers\.2\.self_attn\.v_proj: its base weight is trainable"):
+        layer(x)
+    with torch.no_grad():  # no gradient asked for: nothing is lost
+        assert layer(x).shape == (4, layer.out_features)
+
+
 @pytest.mark.parametrize(
     ("lora", "message"),
     [

@@ -193,6 +193,12 @@ class FP8LoraLinear(LoraLinear):
         if not self._fp8_path() or kwargs.get("adapter_names") is not None:
             return super().forward(x, *args, **kwargs)  # the FP8 base layer alone, or PEFT's mixed batches
         base, adapters = self.get_base_layer(), self._adapters()
+        if base.weight.requires_grad and torch.is_grad_enabled():
+            # The merged layer has no N x K weight gradient (see `_FP8LoraFunction`): W would silently get none.
+            raise RuntimeError(
+                f"{base._where()}: its base weight is trainable (requires_grad=True), but an FP8 LoRA layer computes "
+                "no gradient for it (it trains only the adapters, on the merged weight): freeze the base weight"
+            )
         sharded = is_sharded(base.weight, base)
         q, s, qt, st = self._quantized(check_finite=False, with_t=not sharded)
         # The adapters stacked, their scalings folded into B: autograd takes the gradients on to each A and B.
