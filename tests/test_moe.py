@@ -195,6 +195,13 @@ def test_experts_off_the_block_grid_stay_in_high_precision_with_a_warning():
         convert_to_fp8(model, FP8Recipe())
     assert isinstance(model.model.layers[0].mlp.experts, FP8Experts)
     assert not isinstance(model.model.layers[1].mlp.experts, FP8Experts)
+    # On the grid, but a recipe with other weight blocks: the reason given is the block size (it said "not in whole
+    # 128x128 blocks" of experts that are).
+    with pytest.warns(UserWarning) as caught:
+        model = convert_to_fp8(qwen3_moe(), FP8Recipe(weight_block_size=[64, 64]))
+    message = "\n".join(str(w.message) for w in caught)
+    assert "model.layers.0.mlp.experts (fused experts run with 128x128 weight blocks only, not [64, 64])" in message
+    assert "not in whole" not in message and not any(isinstance(m, FP8Experts) for m in model.modules())
 
 
 def test_router_mismatch_counts_real_tokens_only(tmp_path, demo_tokenizer):

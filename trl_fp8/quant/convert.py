@@ -143,7 +143,10 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
             kept.append(f"{name} ({why})")
             continue
         _, two_i, hidden = full_shape(module.gate_up_proj)
-        if (two_i // 2) % 128 or hidden % 128 or list(recipe.weight_block_size) != [128, 128]:
+        if list(recipe.weight_block_size) != [128, 128]:
+            kept.append(f"{name} (fused experts run with 128x128 weight blocks only, not {recipe.weight_block_size})")
+            continue
+        if (two_i // 2) % 128 or hidden % 128:
             kept.append(f"{name} (experts {two_i // 2}x{hidden}, not in whole 128x128 blocks)")
             continue
         selected.append(name)
