@@ -243,6 +243,24 @@ def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_t
     assert with_nan["sampling/token_mult_prob_error"] == pytest.approx(math.e)
     tool = metrics_of(torch.tensor([[0.0, 1.0]]), torch.tensor([[1, 1]]), tool_mask=torch.tensor([[1, 0]]))
     assert tool["sampling/token_mult_prob_error"] == 1.0
+    # ...even one the policy finds improbable (its learner log-prob -95, the sampler's TRL's 0): exp|d| overflowed
+    # there, and inf * 0 made the step's metric NaN.
+    improbable = metrics_of(
+        torch.tensor([[0.01, -95.0]]),
+        torch.tensor([[1, 1]]),
+        gen=torch.tensor([[-1.0, 0.0]]),
+        tool_mask=torch.tensor([[1, 0]]),
+    )
+    assert improbable["sampling/token_mult_prob_error"] == pytest.approx(math.exp(0.01), rel=1e-6)
+    # At end-to-end FP8's mismatch, |d| ~ 2e-5: k3 ~ d²/2 ~ 2e-10, under fp32's rounding of exp(d) (6e-8). The
+    # figures are those of the float64 formulas on the same d.
+    tiny = torch.tensor([[2e-5, -3e-5, 1e-5, -2e-5]])
+    d64 = ((torch.full_like(tiny, -2.0) + tiny) - torch.full_like(tiny, -2.0)).double()  # d as the fp32 inputs give it
+    small = metrics_of(tiny, torch.ones_like(tiny, dtype=torch.long))
+    assert small["sampling/gen_kl"] == pytest.approx((torch.expm1(d64) - d64).mean().item(), rel=1e-9)
+    assert small["sampling/token_mult_prob_error"] == pytest.approx(
+        1 + torch.expm1(d64.abs()).mean().item(), rel=1e-15
+    )
 
 
 def test_config_defaults_and_contradictions(tmp_path):

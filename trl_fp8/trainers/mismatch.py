@@ -64,7 +64,9 @@ class MismatchMetrics:
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
         mask = mask.bool() & ~torch.isnan(gen)
-        d = torch.nan_to_num(train - gen, nan=0.0)
+        # Masked positions out before any exp: a tool call's output tokens (sampler log-prob 0, learner's real) may
+        # be improbable enough that exp|d| overflows, and inf * 0 made the whole step's metric NaN.
+        d = torch.where(mask, train - gen, 0.0)
         # The share of tokens whose raw learner/sampler ratio falls outside [clip_min, clip_max]: those the
         # correction truncates or masks (per token, or through their sequence in sequence_* modes).
         log_ratio = d * mask
@@ -78,18 +80,20 @@ class MismatchMetrics:
             oob |= ratio > clip_max
         if clip_min is not None:
             oob |= ratio < clip_min
-        maskf = mask.float()
+        # In float64 and through expm1: at end-to-end FP8's mismatch (|d| ~ 2e-5) the k3 term exp(d) - 1 - d ~ d²/2
+        # is 1e-10, far below fp32's rounding of exp(d) (6e-8), and exp|d| sits within fp32's step of 1.
+        maskd, dd = mask.double(), d.double()
         sums = torch.stack(
             [
-                (torch.exp(d.abs()) * maskf).sum(),
-                ((torch.exp(d) - 1 - d) * maskf).sum(),
-                (oob.float() * maskf).sum(),
-                maskf.sum(),
+                (torch.expm1(dd.abs()) * maskd).sum(),
+                ((torch.expm1(dd) - dd) * maskd).sum(),
+                (oob.double() * maskd).sum(),
+                maskd.sum(),
             ]
         )
         # Sums then one division: exact token means over all ranks, whatever each rank's token count.
         mult_err, gen_kl, oob_count, count = self.accelerator.gather(sums.unsqueeze(0)).sum(0).tolist()
         if count > 0:
-            self._metrics[mode]["sampling/token_mult_prob_error"].append(mult_err / count)
+            self._metrics[mode]["sampling/token_mult_prob_error"].append(1 + mult_err / count)
             self._metrics[mode]["sampling/gen_kl"].append(gen_kl / count)
             self._metrics[mode]["sampling/is_oob_ratio"].append(oob_count / count)
