@@ -9,13 +9,23 @@ machine may lack matplotlib):
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
-from host_overhead import host_markdown
-from step_profile import profile_markdown
+
+# As a script from anywhere: its section helpers import trl_fp8 (a checkout's, where it is not installed).
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from host_overhead import host_markdown  # noqa: E402
+from step_profile import profile_markdown  # noqa: E402
 
 
 TARGETS = {"gemm": 1.6, "linear": 1.3, "quantize_share": 0.70, "train_step": 1.15}
+# (f): least SQNR against the oracle on the same FP8 operands. Same codes, so only accumulation order and the bf16
+# output's rounding differ (about 56 dB for a bf16 rounding alone); one wrong 128x128 tile of an 8192 x 4096 output
+# reads about 33 dB.
+MATCH_DB = {"gemm": 45, "linear": 40, "moe": 40}
+# (c) is judged on the quantizers training runs: X with Xᵀ in one pass (fprop and wgrad; dY likewise), W with Wᵀ.
+TRAINING_QUANTIZERS = ("fused 1x128 + transposed (triton, one pass)", "weight 128x128 + transposed (triton, one pass)")
 # (d)'s sections: the target is the 1B model's; the 8B layers show what the recipe's model size gives.
 STEP_MODELS = {
     "train_step": "Llama-3.2-1B shape",
@@ -30,9 +40,13 @@ def markdown(results) -> str:
              f"FP8 backends: {', '.join(names) or 'none'}", ""]  # fmt: skip
     for section, error in results.get("errors", {}).items():
         lines += [f"**{section} failed**: `{error.splitlines()[-1] if error else ''}`", ""]
+    for section, why in results.get("skipped", {}).items():
+        lines += [f"**{section} skipped**: {why}", ""]
+    if "running" in results:
+        lines += [f"**{results['running']} was running when these figures were written** (cut short there?)", ""]
     if "gemm" in results:
         gemm_names = [n for n in names if n in results["gemm"][0]]  # TE swaps modules: no bare GEMM row
-        head = " | ".join(f"{n} TFLOP/s (ratio, ratio with 1x128 B, dB vs emulated)" for n in gemm_names)
+        head = " | ".join(f"{n} TFLOP/s (ratio, ratio with 1x128 B, dB vs emulated with each)" for n in gemm_names)
         lines += [
             "(a) GEMM, bf16 out",
             "",
@@ -41,8 +55,9 @@ def markdown(results) -> str:
         ]
         for r in results["gemm"]:
             cells = " | ".join(
-                f"{r[n]['tflops']:.0f} ({r[n]['ratio']:.2f}x, {r[n].get('ratio_1x128_b', math.nan):.2f}x, "
-                f"{r[n]['sqnr_vs_emulated_db']:.0f})"
+                _failed(r[n])
+                or f"{r[n]['tflops']:.0f} ({r[n]['ratio']:.2f}x, {r[n].get('ratio_1x128_b', math.nan):.2f}x, "
+                f"{r[n]['sqnr_vs_emulated_db']:.0f}/{r[n].get('sqnr_1x128_vs_emulated_db', math.nan):.0f})"
                 for n in gemm_names
             )
             lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['bf16_tflops']:.0f} | {cells} |")
@@ -59,7 +74,8 @@ def markdown(results) -> str:
                   f"| M | K | N | BF16 ms | {head} |", "|---" * (4 + len(names)) + "|"]  # fmt: skip
         for r in results["linear"]:
             cells = " | ".join(
-                f"{r[n]['ms']:.2f} ({r[n]['ratio']:.2f}x, {r[n].get('ratio_weight_cached', math.nan):.2f}x; "
+                _failed(r[n])
+                or f"{r[n]['ms']:.2f} ({r[n]['ratio']:.2f}x, {r[n].get('ratio_weight_cached', math.nan):.2f}x; "
                 f"{r[n]['dgrad_sqnr_vs_emulated_db']:.0f}/"
                 f"{r[n]['wgrad_sqnr_vs_emulated_db']:.0f})"
                 for n in names
@@ -85,6 +101,9 @@ def markdown(results) -> str:
                   "| precision | tokens/s | step ms | ratio | peak GiB |", "|---|---|---|---|---|"]  # fmt: skip
         for label, v in t.items():
             if label == "shape":
+                continue
+            if _failed(v):
+                lines.append(f"| {label} | {_failed(v)} | | | |")
                 continue
             lines.append(f"| {label} | {v['tokens_per_s']:.0f} | {v['step_ms']:.1f} | {v.get('ratio', 1.0):.2f} | "
                          f"{v['peak_memory_gib']:.2f} |")  # fmt: skip
@@ -124,6 +143,19 @@ def markdown(results) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _failed(figures: dict) -> str | None:
+    return f"failed: `{figures['error']}`" if "error" in figures else None
+
+
+def failed_measurements(results) -> list[str]:
+    """The backends and labels whose measurement failed inside sections that ran (`section: name`)."""
+    failed = [f"{key}: {n}" for key in ("gemm", "linear") for r in results.get(key) or [] for n in results["backends"]
+              if n in r and "error" in r[n]]  # fmt: skip
+    failed += [f"{key}: {label}" for key in STEP_MODELS for label, v in (results.get(key) or {}).items()
+               if isinstance(v, dict) and "error" in v]  # fmt: skip
+    return sorted(set(failed))
+
+
 def not_judged(results) -> str | None:
     """Why this run's ratios say nothing about the targets, or None where they do (full shapes on a GPU)."""
     if results.get("smoke"):
@@ -152,19 +184,35 @@ def targets(results) -> dict[str, bool]:
     met = {}
     if not_judged(results):
         return met
+    db = MATCH_DB
     for name in results["backends"]:
-        if "gemm" in results and name in results["gemm"][0]:
-            met[f"{name}: gemm >= 1.6x"] = min(r[name]["ratio"] for r in results["gemm"]) >= TARGETS["gemm"]
-            met[f"{name}: matches emulated (>= 35 dB)"] = all(
-                r[name]["sqnr_vs_emulated_db"] >= 35 for r in results["gemm"]
+        # A failed measurement misses its target (ratio 0, SQNR -inf).
+        if results.get("gemm") and name in results["gemm"][0]:
+            rows = [r[name] for r in results["gemm"]]
+            met[f"{name}: gemm >= 1.6x"] = min(r.get("ratio", 0.0) for r in rows) >= TARGETS["gemm"]
+            met[f"{name}: gemm matches emulated (>= {db['gemm']} dB)"] = all(
+                min(r.get("sqnr_vs_emulated_db", -math.inf), r.get("sqnr_1x128_vs_emulated_db", math.inf))
+                >= db["gemm"]
+                for r in rows
             )
-        if "linear" in results:
-            met[f"{name}: linear >= 1.3x"] = min(r[name]["ratio"] for r in results["linear"]) >= TARGETS["linear"]
+        if results.get("linear") and name in results["linear"][0]:
+            rows = [r[name] for r in results["linear"]]
+            met[f"{name}: linear >= 1.3x"] = min(r.get("ratio", 0.0) for r in rows) >= TARGETS["linear"]
+            met[f"{name}: linear dgrad/wgrad match emulated (>= {db['linear']} dB)"] = all(
+                min(r.get("dgrad_sqnr_vs_emulated_db", -math.inf), r.get("wgrad_sqnr_vs_emulated_db", -math.inf))
+                >= db["linear"]
+                for r in rows
+            )
         if "train_step" in results and name in results["train_step"]:
-            met[f"{name}: train step >= 1.15x"] = results["train_step"][name]["ratio"] >= TARGETS["train_step"]
-    if "quantize" in results and "fused 1x128 + transposed (triton, one pass)" in results["quantize"]:
-        shares = [v["share_of_copy"] for k, v in results["quantize"].items() if "triton" in k]
-        met["triton quantize >= 70% of copy"] = min(shares) >= TARGETS["quantize_share"]
+            ratio = results["train_step"][name].get("ratio", 0.0)
+            met[f"{name}: train step >= 1.15x"] = ratio >= TARGETS["train_step"]
+    quantize = results.get("quantize") or {}
+    if kernels := [k for k in TRAINING_QUANTIZERS if k in quantize]:  # (runs before 2026-12-05 lack W with Wᵀ)
+        shares = [quantize[k]["share_of_copy"] for k in kernels]
+        met["triton quantize (training's kernels) >= 70% of copy"] = min(shares) >= TARGETS["quantize_share"]
+    grouped = (results.get("moe") or {}).get("fp8 grouped", {})
+    if "dx_sqnr_vs_per_expert_db" in grouped:
+        met[f"moe grouped matches per-expert (>= {db['moe']} dB)"] = grouped["dx_sqnr_vs_per_expert_db"] >= db["moe"]
     return met
 
 

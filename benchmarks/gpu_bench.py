@@ -23,14 +23,16 @@ import argparse
 import contextlib
 import json
 import math
+import os
+import sys
 import time
 import traceback
 from functools import partial
 from pathlib import Path
 
 import torch
-from bench_report import markdown, plot_targets, targets  # benchmarks/, on sys.path when run as a script
-from gpu_bench_model import bench_moe, bench_profile, bench_train_step, sqnr, timed
+from bench_report import failed_measurements, markdown, plot_targets, targets  # benchmarks/: sys.path as a script
+from gpu_bench_model import bench_moe, bench_profile, bench_train_step, measured, sqnr, timed
 from host_overhead import bench_host
 from torch import nn
 from transformers import LlamaConfig
@@ -66,7 +68,26 @@ def _autotuning(backend: str, device, out: dict, label: str):
     out[label] = best
 
 
+def _gemm_figures(name, mod, device, cases, bf16_flop_rate, iters) -> dict:
+    """One backend's TFLOP/s, ratio to BF16 and (f) SQNR, with 128x128 and 1x128 B scales (`cases`: operands and the
+    oracle's fp32 products). (f) is taken on the very calls timed: bf16 out (the autotuner keys on the dtype, so an
+    fp32 call may run another tile)."""
+    figures, tuning = {}, {}
+    for scales, (operands, oracle) in cases.items():
+        with _autotuning(name, device, tuning, scales):
+            t = timed(partial(mod.gemm, *operands, torch.bfloat16), device, iters=iters)
+        flops = 2 * operands[0].shape[0] * operands[2].shape[0] * operands[0].shape[1]
+        suffix = "" if scales == "128x128" else "_1x128_b"
+        figures[f"ratio{suffix}"] = flops / t / bf16_flop_rate
+        if scales == "128x128":
+            figures["tflops"] = flops / t / 1e12
+        db = sqnr(oracle, mod.gemm(*operands, torch.bfloat16))
+        figures["sqnr_vs_emulated_db" if scales == "128x128" else "sqnr_1x128_vs_emulated_db"] = db
+    return {**figures, "autotune_ms": tuning} if tuning else figures
+
+
 def bench_gemm(device, backends, ms, shapes, iters):
+    """(a), and (f) for the GEMMs: each backend's TFLOP/s at every shape, with 128x128 and 1x128 B scales."""
     rows = []
     for m in ms:
         for k, n in shapes:
@@ -76,21 +97,17 @@ def bench_gemm(device, backends, ms, shapes, iters):
             qb, sb = quantize_blockwise(b, (128, 128))
             t_bf16 = timed(lambda: a @ b.t(), device, iters=iters)  # noqa: B023
             flops = 2 * m * n * k
-            oracle = emulated.gemm(qa, sa, qb, sb, (128, 128), torch.float32)
-            row = dict(M=m, K=k, N=n, bf16_tflops=flops / t_bf16 / 1e12)
             # wgrad's operands: both sides in 1x128 blocks (K is the token dim there).
             qb1, sb1 = quantize_blockwise(b, (1, 128))
+            oracle = emulated.gemm(qa, sa, qb, sb, (128, 128), torch.float32)
+            oracle_1x128 = emulated.gemm(qa, sa, qb1, sb1, (1, 128), torch.float32)
+            row = dict(M=m, K=k, N=n, bf16_tflops=flops / t_bf16 / 1e12)
+            cases = {
+                "128x128": ((qa, sa, qb, sb, (128, 128)), oracle),
+                "1x128": ((qa, sa, qb1, sb1, (1, 128)), oracle_1x128),
+            }
             for name, mod in backends.items():
-                operands = (qa, sa, qb, sb, (128, 128))
-                tuning = {}
-                with _autotuning(name, device, tuning, "128x128"):
-                    t = timed(partial(mod.gemm, *operands, torch.bfloat16), device, iters=iters)
-                with _autotuning(name, device, tuning, "1x128"):
-                    t1 = timed(partial(mod.gemm, qa, sa, qb1, sb1, (1, 128), torch.bfloat16), device, iters=iters)
-                row[name] = dict(tflops=flops / t / 1e12, ratio=t_bf16 / t, ratio_1x128_b=t_bf16 / t1,
-                                 sqnr_vs_emulated_db=sqnr(oracle, mod.gemm(*operands, torch.float32)))  # fmt: skip
-                if tuning:
-                    row[name]["autotune_ms"] = tuning
+                row[name] = measured(partial(_gemm_figures, name, mod, device, cases, flops / t_bf16, iters))
             rows.append(row)
     if "triton" in backends and device.type == "cuda":
         from trl_fp8.quant.backends.triton_gemm_kernels import gemm_kernel_tuned
@@ -99,6 +116,23 @@ def bench_gemm(device, backends, ms, shapes, iters):
         # (`sm90_static.py`: few or no spills, some at two CTAs per SM); this says which of them Hopper prefers.
         rows[-1]["triton_autotuned"] = {str(key): str(cfg) for key, cfg in gemm_kernel_tuned.cache.items()}
     return rows
+
+
+def _linear_figures(name, lin, x, step, fp8_step, t_bf16, refs, iters) -> dict:
+    """One backend's `FP8Linear` (or TE linear) forward+backward time, ratio to BF16, and dgrad/wgrad SQNR."""
+    fp8 = (
+        te_linear_class().from_linear(lin, pow2_scales=False, name="bench")
+        if name == "te"
+        else FP8Linear.from_linear(lin, backend=name)
+    )
+    t = timed(lambda: fp8_step(fp8), x.device, iters=iters)
+    # Micro-batches after the first of an optimizer step reuse the quantized weight (X is new each time).
+    t_cached = timed(lambda: (setattr(_SharedActivation, "entry", None), step(fp8)), x.device, iters=iters)
+    step(fp8)
+    # `fp8.weight`: TE's linear holds a copy of the weight (trl-fp8's holds `lin.weight` itself).
+    return dict(ms=t * 1e3, ratio=t_bf16 / t, ratio_weight_cached=t_bf16 / t_cached,
+                dgrad_sqnr_vs_emulated_db=sqnr(refs[0], x.grad),
+                wgrad_sqnr_vs_emulated_db=sqnr(refs[1], fp8.weight.grad))  # fmt: skip
 
 
 def bench_linear(device, backends, m, shapes, iters):
@@ -127,28 +161,18 @@ def bench_linear(device, backends, m, shapes, iters):
         dx_ref, dw_ref = x.grad.clone(), lin.weight.grad.clone()
         row = dict(M=m, K=k, N=n, bf16_ms=t_bf16 * 1e3)
         for name in backends:
-            if name == "te":
-                fp8 = te_linear_class().from_linear(lin, pow2_scales=False, name="bench")
-            else:
-                fp8 = FP8Linear.from_linear(lin, backend=name)
-            t = timed(lambda: fp8_step(fp8), device, iters=iters)  # noqa: B023
-            # Micro-batches after the first of an optimizer step reuse the quantized weight (X is new each time).
-            t_cached = timed(
-                lambda: (setattr(_SharedActivation, "entry", None), step(fp8)),  # noqa: B023
-                device,
-                iters=iters,
+            row[name] = measured(
+                partial(_linear_figures, name, lin, x, step, fp8_step, t_bf16, (dx_ref, dw_ref), iters)
             )
-            step(fp8)
-            row[name] = dict(ms=t * 1e3, ratio=t_bf16 / t, ratio_weight_cached=t_bf16 / t_cached,
-                             dgrad_sqnr_vs_emulated_db=sqnr(dx_ref, x.grad),
-                             wgrad_sqnr_vs_emulated_db=sqnr(dw_ref, lin.weight.grad))  # fmt: skip
         rows.append(row)
     return rows
 
 
-def bench_quantize(device, m, k, iters):
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(k, k, device=device, dtype=torch.bfloat16)
+def bench_quantize(device, x_shape, w_shape, iters):
+    # Large enough that a kernel's time is its memory traffic, not its launch, and W not held in L2 between calls
+    # (a 4096 x 4096 weight moved 48-64 MB: about one autotuned launch's host time, its 32 MB input cached).
+    x = torch.randn(*x_shape, device=device, dtype=torch.bfloat16)
+    w = torch.randn(*w_shape, device=device, dtype=torch.bfloat16)
     t_copy = timed(lambda: x.clone(), device, iters=iters)
     copy_bw = 2 * x.numel() * x.element_size() / t_copy
     elems = x.numel()
@@ -208,12 +232,14 @@ def main():
         backends["te"] = None  # module swap: measured in (b) and (d), not as a bare GEMM
     if args.smoke:
         ms, shapes, m_lin, iters, seq, batch = [256], [(256, 384)], 256, 2, 128, 2
+        quant_shapes = (256, 256), (384, 256)
         config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
         config_8b = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=1,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
     else:
         ms, shapes, m_lin, iters, seq, batch = [8192, 16384], GEMM_SHAPES, 8192, 10, 4096, args.train_batch
+        quant_shapes = (32768, 4096), (28672, 4096)  # X: 4 x 8192 tokens; W: Llama-3.1-8B's gate/up
         config = LlamaConfig(
             vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
             num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
@@ -230,13 +256,15 @@ def main():
         triton_version = None
     results = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                    cuda=torch.version.cuda, triton=triton_version, smoke=args.smoke, backends=list(backends),
-                   availability={n: m.is_available(device)[1] for n, m in BACKENDS.items()}, errors={})  # fmt: skip
+                   availability={n: m.is_available(device)[1] for n, m in BACKENDS.items()}, errors={},
+                   skipped={})  # fmt: skip
+    results["availability"]["te"] = te_status()[1]
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections = [
         ("gemm", lambda: bench_gemm(device, gemm_backends, ms, shapes, iters)),
         ("linear", lambda: bench_linear(device, backends, m_lin, shapes, iters)),
-        ("quantize", lambda: bench_quantize(device, ms[0], shapes[0][0], iters)),
+        ("quantize", lambda: bench_quantize(device, *quant_shapes, iters)),
         # The host's time per linear (seconds, so early: the budget must not skip it), split into what trl-fp8's
         # Python costs (null kernels) and what the launches add.
         ("host", lambda: bench_host(device, {n: m for n, m in gemm_backends.items() if n != "emulated"}, iters * 20)),
@@ -250,24 +278,34 @@ def main():
         # Whether that step waits on the GPU or on the host (busy share), which 4 x 4096 tokens cannot tell.
         ("profile_1seq", lambda: bench_profile(device, dict(list(backends.items())[:1]), config, seq, 1)),
     ]
+
+    def save():
+        # After every section, skipped ones too, and before each (`running`): a run the outer timeout kills leaves
+        # every figure measured so far, and says where it stopped. Written aside, then renamed: never half a file.
+        results["targets_met"] = targets(results)
+        for name, text in (("gpu_bench.json", json.dumps(results, indent=2)), ("gpu_bench.md", markdown(results))):
+            (out / f".{name}").write_text(text)
+            os.replace(out / f".{name}", out / name)
+        with contextlib.suppress(Exception):  # also drawn per section, for a run cut short
+            plot_targets(results, out / "gpu_targets.png")
+
     for name, run in sections:
         if time.perf_counter() - started > args.budget_s:
-            results["errors"][name] = f"skipped: the {args.budget_s:.0f} s budget was spent"
+            results["skipped"][name] = f"the {args.budget_s:.0f} s budget was spent"
+            save()
             continue
+        results["running"] = name
+        save()
         t0 = time.perf_counter()
         try:
             results[name] = run()
         except Exception:  # one broken backend must not cost the other sections' figures
             results["errors"][name] = traceback.format_exc()
             print(traceback.format_exc(), flush=True)
+        del results["running"]
         results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
-        results["targets_met"] = targets(results)
-        (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
-        (out / "gpu_bench.md").write_text(markdown(results))
-        # Also drawn per section, so that a run the outer timeout cuts short still leaves its figure.
-        with contextlib.suppress(Exception):
-            plot_targets(results, out / "gpu_targets.png")
+        save()
     print(markdown(results))
     try:
         print(f"wrote {plot_targets(results, out / 'gpu_targets.png')}")
@@ -275,7 +313,11 @@ def main():
         print(f"no matplotlib here: draw the figure with `python benchmarks/bench_report.py {out}` elsewhere")
     except Exception:  # a view of figures already written: it must not fail the run that measured them
         print(traceback.format_exc(), f"draw the figure with `python benchmarks/bench_report.py {out}`", flush=True)
+    failed = sorted(results["errors"]) + failed_measurements(results)
+    if failed:
+        print(f"gpu_bench: failed: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,6 +6,7 @@ import gc
 import statistics
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +41,16 @@ def timed(fn, device, warmup=3, iters=10) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def measured(fn) -> dict:
+    """`fn()`'s figures, or `{"error": its last line}`: one failing backend or label (an untried TE, an out-of-memory
+    extra) must not cost the figures the others measured in the same section."""
+    try:
+        return fn()
+    except Exception:
+        print(traceback.format_exc(), flush=True)
+        return dict(error=traceback.format_exc().strip().splitlines()[-1])
 
 
 def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -87,19 +98,24 @@ def bench_train_step(device, backends, config: LlamaConfig, seq_len, batch, iter
     # with gate/up stacked too, to show what leaving them alone gives.
     first = next(iter(backends), "te")
     extra = [f"{first} unfused", f"{first} mlp-stacked"] if unfused and first != "te" else []
-    for label in ("bf16", *backends, *extra):
+
+    def measure(label):
+        if device.type == "cuda":
+            gc.collect()  # the previous precision's model (or a failed label's) must be gone before (e) is measured
+            torch.cuda.empty_cache()
         model, opt, step, losses = train_setup(device, label, config, seq_len, batch)
         if device.type == "cuda":
-            gc.collect()  # the previous precision's model must be gone before (e) is measured
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t = timed(step, device, warmup=2, iters=iters)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        out[label] = dict(tokens_per_s=batch * seq_len / t, step_ms=t * 1e3, peak_memory_gib=peak,
-                          losses=[round(float(v), 4) for v in losses])  # fmt: skip
-        del model, opt, step
+        return dict(tokens_per_s=batch * seq_len / t, step_ms=t * 1e3, peak_memory_gib=peak,
+                    losses=[round(float(v), 4) for v in losses])  # fmt: skip
+
+    for label in ("bf16", *backends, *extra):
+        out[label] = measured(partial(measure, label))
     for label in (*backends, *extra):
-        out[label]["ratio"] = out[label]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
+        if "tokens_per_s" in out[label] and "tokens_per_s" in out["bf16"]:
+            out[label]["ratio"] = out[label]["tokens_per_s"] / out["bf16"]["tokens_per_s"]
     out["shape"] = f"{batch} x {seq_len} tokens per step"
     return out
 

@@ -14,7 +14,23 @@ out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR [gpu_bench.py options]}
 shift
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$out/env.txt"
+# What RESULTS.md records with the figures: date, commit, command, hardware, driver and software versions.
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (modified)')"
+  echo "command: bash benchmarks/gpu_checks.sh $out $*"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+  python3 -c "
+import platform, importlib.metadata as md, torch
+print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')
+for p in ('triton', 'transformers', 'numpy', 'transformer-engine', 'pytest-xdist'):
+    try:
+        print(p, md.version(p))
+    except md.PackageNotFoundError:
+        print(p, 'not installed')
+"
+} | tee "$out/env.txt"
 # (tests/test_blockwise.py is left to CPU CI: it tests the reference alone, and its property tests need hypothesis,
 # which the device lacked when this was written; a test file that cannot be collected fails alone, not the run.)
 # Four pytest workers where pytest-xdist is installed (the device lists it): the tests' time is mostly Triton compiling

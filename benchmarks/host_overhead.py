@@ -26,6 +26,7 @@ from torch import nn
 
 from trl_fp8.quant import FP8Linear
 from trl_fp8.quant.backends import BACKENDS, torch_scaled_mm
+from trl_fp8.quant.linear import _SharedActivation
 from trl_fp8.quant.siblings import group_siblings
 
 
@@ -131,6 +132,9 @@ def host_us(module: nn.Module, x: torch.Tensor, iters: int, repeats: int = 5) ->
     def call():
         for p in params:
             p.grad = None
+        # A new batch's X, as in training: else the shared quantization of the last X answers and the forward's
+        # activation quantizer, whose launch this measures, never runs (the weight's stays cached, as within a step).
+        _SharedActivation.entry = None
         ys = module(x)
         torch.autograd.backward(ys if isinstance(ys, tuple) else (ys,), grads)
 
