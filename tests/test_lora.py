@@ -177,11 +177,11 @@ def test_adapted_layers_stay_fp8_linears_where_transformer_engine_takes_the_othe
 
     class TransformerEngineStandIn:
         @staticmethod
-        def from_linear(linear, pow2_scales, name):
+        def from_linear(linear, pow2_scales, name, device=None):
             taken.append(name)
             return linear
 
-    monkeypatch.setattr(convert, "_te_linear_for", lambda model, recipe, sharded: TransformerEngineStandIn)
+    monkeypatch.setattr(convert, "_te_linear_for", lambda model, recipe, sharded, device: TransformerEngineStandIn)
     model = lora_llama()
     base = model.get_base_model()
     convert_to_fp8(base, FP8Recipe(backend="te"))
