@@ -421,6 +421,18 @@ def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
                        r"'layers.1.attn'\].*\{\"attention_backend\": \"FLASH_ATTN\"\}"):  # fmt: skip
         check_kv_scale_backend(found)
     check_kv_scale_backend(attention_impls(model("FlashAttentionImpl")))
+    # vLLM 0.31's TRITON_FLASHINFER (Blackwell) wraps a FlashInferImpl in a composite implementation.
+    composite = model("FlashAttentionImpl")
+    for layer in composite.layers:
+        layer.attn.impl = type("CompositeAttentionImpl", (), {})()
+        layer.attn.impl.general_impl, layer.attn.impl.causal_impl = (
+            impls["FlashInferImpl"](),
+            impls["FlashAttentionImpl"](),
+        )
+    found = attention_impls(composite)
+    assert found["layers.1.attn"] == "CompositeAttentionImpl(FlashInferImpl, FlashAttentionImpl)"
+    with pytest.raises(ValueError, match=r"vLLM picked CompositeAttentionImpl\(FlashInferImpl, FlashAttentionImpl\)"):
+        check_kv_scale_backend(found)
 
 
 @pytest.mark.vllm

@@ -22,6 +22,7 @@ Every vLLM symbol used here was read in the source of vLLM 0.22.0 and 0.31.0 (th
 
 import logging
 import os
+import re
 import time
 
 import torch
@@ -245,18 +246,26 @@ def validate_stream(pairs: list[tuple[str, torch.Tensor]], expected: dict | None
 # Attention implementations that do not read the K/V/Q scales from the tensors each refit updates in place: vLLM
 # 0.22-0.31's FlashInfer backend computes its bmm1/bmm2 scales once, at its first forward (flashinfer.py), and its
 # other paths pass the host floats, which captured CUDA graphs freeze. The FP8 KV cache would then decode with the
-# scales of vLLM's dummy weights. (FlashAttention, Triton and the CPU backend read the tensors.)
+# scales of vLLM's dummy weights. (FlashAttention and Triton read the tensors; the CPU backend reads the host floats,
+# which each reload sets again, and captures no graphs.)
 STALE_KV_SCALE_IMPLS = ("FlashInferImpl",)
 
 
+def _impl_name(impl) -> str:
+    # A composite backend (vLLM 0.31's TRITON_FLASHINFER on Blackwell) runs the implementations it wraps.
+    inner = [type(getattr(impl, a)).__name__ for a in ("general_impl", "causal_impl") if hasattr(impl, a)]
+    return f"{type(impl).__name__}({', '.join(inner)})" if inner else type(impl).__name__
+
+
 def attention_impls(model) -> dict[str, str]:
-    """Runs on each vLLM worker (`LLM.apply_model`): the implementation class of every attention layer, by name."""
-    return {name: type(m.impl).__name__ for name, m in model.named_modules() if hasattr(m, "impl")}
+    """Runs on each vLLM worker (`LLM.apply_model`): the implementation class of every attention layer, by name
+    (a composite one's as `Outer(General, Causal)`)."""
+    return {name: _impl_name(m.impl) for name, m in model.named_modules() if hasattr(m, "impl")}
 
 
 def check_kv_scale_backend(impls: dict[str, str]) -> None:
     """Refuses an FP8 KV cache on an attention implementation that would keep stale K/V/Q scales."""
-    stale = sorted(name for name, impl in impls.items() if impl in STALE_KV_SCALE_IMPLS)
+    stale = sorted(name for name, impl in impls.items() if set(re.findall(r"\w+", impl)) & set(STALE_KV_SCALE_IMPLS))
     if stale:
         raise ValueError(
             f"fp8_kv_cache: vLLM picked {impls[stale[0]]} for {stale[:3]}{' ...' if len(stale) > 3 else ''}, which "

@@ -161,7 +161,13 @@ def refit(llm, pairs: list[tuple[str, torch.Tensor]], *, sleep_mode: bool = Fals
         # The reload materializes a layer at a time (all of a MoE layer's experts) and frees it into the caching
         # allocator; vLLM 0.22's wake_up of the KV cache, which TRL calls next, does not empty it first.
         empty_cache()
-    llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+    # Cached prefixes hold KV computed with the old weights: a cache vLLM could not reset (it refuses while requests
+    # run, with only a warning) would serve them to the next generation.
+    if llm.reset_prefix_cache() is False:
+        raise RuntimeError(
+            "vLLM could not reset its prefix cache after the weight sync (are requests still running?): cached "
+            "prefixes would keep the old weights' KV"
+        )
     # Cached encoder outputs (vision embeddings) were computed with the old weights. vLLM 0.31's reload clears the
     # workers' copies but not the scheduler's record of them, which would then skip encoding an image seen before,
     # and the worker fail with "Encoder cache miss". The engine's reset clears both (`LLMEngine.reset_encoder_cache`,
