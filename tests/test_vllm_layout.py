@@ -345,3 +345,65 @@ def test_vllm_ignores_the_high_precision_layers_a_nested_model_moves():
         assert ignored == kept
     else:
         assert set(renamed) <= set(ignored)
+
+
+# vLLM 0.31's packed_modules_mapping for Gemma 3n / Gemma 4 (gemma3n.py Gemma3nForCausalLM, gemma4.py Gemma4ForCausalLM).
+GEMMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _vllm_is_layer_skipped(prefix: str, ignored: set[str]) -> bool:
+    """vLLM 0.31's `quant_utils.is_layer_skipped` in Fp8Config's exact mode, restated (vLLM is not installed where
+    these tests run): a fused layer is skipped where all its shards are ignored, refused where only some are."""
+    leaf = prefix.rsplit(".", 1)[1]
+    flags = {prefix.replace(leaf, shard) in ignored for shard in GEMMA_PACKED.get(leaf, [leaf])}
+    if len(flags) > 1:
+        raise ValueError(f"Detected some but not all shards of {prefix} are quantized.")
+    return flags.pop()
+
+
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_gemma4_values_are_keys_layer_is_one_qkv_proj_and_the_kv_shared_q_proj_stands_alone(tp_size):
+    """tiny("gemma4"): layer 0 sliding (q, k, v), layer 1 full attention with attention_k_eq_v (q, k; vLLM loads k
+    into the K and V shards of its qkv_proj), layer 2 KV-shared (q alone: vLLM's plain ColumnParallelLinear q_proj)."""
+    model = tiny("gemma4")
+    layers = {x.name: x for x in vllm_linears(model, tp_size)}
+    qkv = layers["model.layers.1.self_attn.qkv_proj"]
+    assert qkv.shards == ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj")
+    assert qkv.output_partition_sizes == (4 * 512 // tp_size, 2 * 512 // tp_size, 2 * 512 // tp_size)
+    assert qkv.aliases == ("model.layers.1.self_attn.v_proj",)
+    assert layers["model.layers.2.self_attn.q_proj"].output_partition_sizes == (4 * 512 // tp_size,)
+    assert "model.layers.2.self_attn.qkv_proj" not in layers
+
+
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+def test_gemma4_values_are_keys_layer_needs_q_and_k_in_one_precision():
+    model = tiny("gemma4")
+    with pytest.raises(ValueError, match=r"fuses model\.layers\.1\.self_attn\.qkv_proj .*k_proj \(high precision\)"):
+        check_vllm_fp8_layers(model, FP8Recipe(modules_to_not_convert=["layers.1.self_attn.k_proj"]))
+
+
+@pytest.mark.skipif(not available("gemma4"), reason="transformers has no Gemma 4")
+@pytest.mark.parametrize(
+    "recipe",
+    [FP8Recipe(num_last_layers_in_bf16=2), FP8Recipe(modules_to_not_convert=["self_attn"])],
+    ids=["last_layers_bf16", "attention_bf16"],
+)
+def test_vllm_accepts_the_ignored_layers_of_a_high_precision_values_are_keys_layer(recipe):
+    """`ignored_layers` held layers.1's q_proj and k_proj but no v_proj (the learner has none), and vLLM's
+    is_layer_skipped refused layers.1.self_attn.qkv_proj inside LLM(...) ("Detected some but not all shards ...")."""
+    model = tiny("gemma4")
+    ignored = set(fp8_llm_kwargs(model, recipe)["hf_overrides"]["quantization_config"]["ignored_layers"])
+    # the layers vLLM builds a qkv_proj for (layer 2 is KV-shared): no refusal, and layer 1 in high precision
+    _vllm_is_layer_skipped("model.layers.0.self_attn.qkv_proj", ignored)
+    assert _vllm_is_layer_skipped("model.layers.1.self_attn.qkv_proj", ignored)
+    assert _vllm_is_layer_skipped("model.layers.2.self_attn.q_proj", ignored)
+
+
+@pytest.mark.skipif(not available("gemma3n"), reason="transformers has no Gemma 3n")
+def test_gemma3n_kv_shared_q_proj_is_checked_alone():
+    model = tiny("gemma3n")  # layer 2 reads layer 1's K/V: q_proj alone
+    layers = {x.name: x for x in vllm_linears(model, 4)}
+    q = layers["model.layers.2.self_attn.q_proj"]
+    assert q.output_partition_sizes == (4 * 64 // 4,)
+    assert q.block_shape_error() == "output of model.layers.2.self_attn.q_proj per rank is 64, not a multiple of 128"

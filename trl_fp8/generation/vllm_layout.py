@@ -53,6 +53,9 @@ class VLLMLinear:
     output_partition_sizes: tuple[int, ...]  # each shard's rows on this rank
     tp_size: int
     parts: tuple[str, ...] = ()  # what each of output_partition_sizes is, for messages (default: the shards)
+    # Names vLLM's `is_layer_skipped` looks up for this layer that the learner has no module for (Gemma 4's
+    # `attention_k_eq_v` layers: `v_proj`): in `ignored_layers` whenever the shards are, or vLLM refuses the layer.
+    aliases: tuple[str, ...] = ()
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -97,6 +100,29 @@ def _layer_config(config, name: str):
     return per_layer[int(index.group(1))] if per_layer is not None and index else config
 
 
+def _layer_index(name: str) -> int | None:
+    index = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(index.group(1)) if index else None
+
+
+def _kv_shared(config, name: str) -> bool:
+    """Whether `name` is in one of the last `num_kv_shared_layers` layers (Gemma 3n, Gemma 4), which read another
+    layer's K/V: transformers gives them q_proj alone, and vLLM 0.31 builds a plain column-parallel `q_proj` there
+    (gemma3n.py and gemma4.py, `Gemma3nAttention` / `Gemma4Attention`)."""
+    i, shared = _layer_index(name), getattr(config, "num_kv_shared_layers", 0) or 0
+    return i is not None and shared > 0 and i >= config.num_hidden_layers - shared
+
+
+def _values_are_keys(config, name: str) -> bool:
+    """Whether `name` is in a Gemma 4 `attention_k_eq_v` layer (a full-attention layer that stores K/V): transformers
+    gives it k_proj and no v_proj, and vLLM 0.31 still builds its `qkv_proj`, loading k_proj into both the K and the V
+    shard (gemma4.py, `_gemma4_layer_weights_mapper`)."""
+    i = _layer_index(name)
+    if not getattr(config, "attention_k_eq_v", False) or i is None or _kv_shared(config, name):
+        return False
+    return list(config.layer_types)[i] == "full_attention"
+
+
 def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
     """The linears vLLM builds for `model`'s decoder layers on one rank (fused where vLLM fuses)."""
     modules = named_linears(model)
@@ -107,7 +133,21 @@ def vllm_linears(model: nn.Module, tp_size: int = 1) -> list[VLLMLinear]:
         fused = next((f for f, shards in FUSED.items() if leaf == shards[0]), None)
         if fused is not None:
             shards = tuple(f"{parent}.{s}" for s in FUSED[fused])
-            if not all(s in modules for s in shards):
+            present = tuple(s for s in shards if s in modules)
+            if fused == "qkv_proj" and present == shards[:1] and _kv_shared(config, name):
+                # vLLM builds the KV-shared layer's q_proj alone: one column-parallel partition.
+                k = module.in_features
+                out.append(VLLMLinear(name, (name,), k, k, (module.out_features // tp_size,), tp_size))
+                continue
+            if fused == "qkv_proj" and present == shards[:2] and _values_are_keys(config, name):
+                # vLLM's qkv_proj of q_proj and k_proj, k_proj loaded again into the V shard: three partitions.
+                attention = _attention_rows(_layer_config(config, name), tp_size)
+                rows = (attention["q_proj"], attention["k_proj"], attention["v_proj"])
+                parts = (shards[0], shards[1], f"{shards[1]} (loaded again as {shards[2]})")
+                k = module.in_features
+                out.append(VLLMLinear(f"{parent}.{fused}", shards[:2], k, k, rows, tp_size, parts, (shards[2],)))
+                continue
+            if present != shards:
                 continue
             attention = _attention_rows(_layer_config(config, name), tp_size)
             tp = 1 if fused in REPLICATED else tp_size
@@ -173,6 +213,8 @@ def check_vllm_fp8_layers(model: nn.Module, recipe, tp_size: int = 1) -> list[st
                 f"vLLM fuses {layer.name} and needs all its shards in one precision, but the recipe gives {split}. "
                 "Keep the whole group in high precision with FP8Recipe.modules_to_not_convert."
             )
+        if not any(in_fp8):
+            kept.extend(a for a in layer.aliases if a not in kept)
         if all(in_fp8):
             error = layer.block_shape_error(tuple(recipe.weight_block_size))
             if error:
