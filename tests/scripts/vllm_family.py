@@ -136,6 +136,9 @@ def main(family: str, output_dir: str) -> None:
         use_cpu=not on_gpu, per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=2,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, beta=0.04,
         vllm_llm_kwargs={"enforce_eager": True, **mm}, fp8_kv_cache=option == "fp8_kv_cache",
+        # Gemma 4's K=V full-attention layer (and the KV-shared one after it) in BF16: vLLM's qkv_proj there holds
+        # q_proj and k_proj, k_proj twice, and must find all three names in ignored_layers.
+        fp8_recipe={"num_last_layers_in_bf16": 2} if option == "last_layers_bf16" else None,
     )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = FP8GRPOTrainer(model_dir, reward_funcs=varied_reward, args=args, train_dataset=make_dataset(64),
