@@ -14,12 +14,11 @@ the learner, so that a bad combination fails at `FP8GRPOTrainer(...)` naming the
 """
 
 import math
-import re
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..quant.convert import named_linears, select_fp8_experts, select_fp8_linears
+from ..quant.convert import layer_of, named_linears, select_fp8_experts, select_fp8_linears
 from ..quant.export import PRE_FUSED, high_precision_modules
 from ..quant.linear import full_shape
 
@@ -95,21 +94,15 @@ def _attention_rows(config, tp_size: int) -> dict[str, int]:
 def _layer_config(config, name: str):
     """The config of the decoder layer that module `name` belongs to: a heterogeneous config (Gemma 4's: head_dim 256
     in sliding-window layers, 512 in full-attention ones) refuses per-layer attributes such as `head_dim` globally."""
-    per_layer = getattr(config, "per_layer_config", None)
-    index = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    return per_layer[int(index.group(1))] if per_layer is not None and index else config
-
-
-def _layer_index(name: str) -> int | None:
-    index = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-    return int(index.group(1)) if index else None
+    per_layer, index = getattr(config, "per_layer_config", None), layer_of(name, None)
+    return per_layer[index] if per_layer is not None and index is not None else config
 
 
 def _kv_shared(config, name: str) -> bool:
     """Whether `name` is in one of the last `num_kv_shared_layers` layers (Gemma 3n, Gemma 4), which read another
     layer's K/V: transformers gives them q_proj alone, and vLLM 0.31 builds a plain column-parallel `q_proj` there
     (gemma3n.py and gemma4.py, `Gemma3nAttention` / `Gemma4Attention`)."""
-    i, shared = _layer_index(name), getattr(config, "num_kv_shared_layers", 0) or 0
+    i, shared = layer_of(name, None), getattr(config, "num_kv_shared_layers", 0) or 0
     return i is not None and shared > 0 and i >= config.num_hidden_layers - shared
 
 
@@ -117,7 +110,7 @@ def _values_are_keys(config, name: str) -> bool:
     """Whether `name` is in a Gemma 4 `attention_k_eq_v` layer (a full-attention layer that stores K/V): transformers
     gives it k_proj and no v_proj, and vLLM 0.31 still builds its `qkv_proj`, loading k_proj into both the K and the V
     shard (gemma4.py, `_gemma4_layer_weights_mapper`)."""
-    i = _layer_index(name)
+    i = layer_of(name, None)
     if not getattr(config, "attention_k_eq_v", False) or i is None or _kv_shared(config, name):
         return False
     return list(config.layer_types)[i] == "full_attention"

@@ -59,7 +59,7 @@ def decoder_layers(model: nn.Module) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _layer_of(name: str, prefix: str | None) -> int | None:
+def layer_of(name: str, prefix: str | None) -> int | None:
     """The decoder block index of module `name`, or None outside the decoder's blocks."""
     if prefix is not None:
         if not name.startswith(f"{prefix}."):
@@ -95,7 +95,7 @@ def select_fp8_linears(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     for name, module in named_linears(model).items():
         if "lm_head" in name.split("."):
             continue
-        layer = _layer_of(name, prefix)
+        layer = layer_of(name, prefix)
         if layer is None or _ROUTER_RE.search(name):
             continue
         candidates.append((name, module, layer))
@@ -127,7 +127,7 @@ def select_fp8_experts(model: nn.Module, recipe) -> tuple[list[str], list[str]]:
     from .moe import FP8Experts, is_fused_experts, unsupported_experts_layout
 
     prefix, num_layers = decoder_layers(model)
-    candidates = [(n, m, _layer_of(n + ".", prefix)) for n, m in model.named_modules() if is_fused_experts(m)]
+    candidates = [(n, m, layer_of(n + ".", prefix)) for n, m in model.named_modules() if is_fused_experts(m)]
     candidates = [(n, m, layer) for n, m, layer in candidates if layer is not None]
     if not candidates:
         return [], []
@@ -167,7 +167,7 @@ def check_fp8_selection(
     model without `...layers.{i}` blocks, and (`warn`) warns of what stays in high precision, naming it, at
     `stacklevel` (3: the line that called this function's caller). Returns `(linears, experts)` selected."""
     prefix, _ = decoder_layers(model)
-    if not any(_layer_of(name, prefix) is not None for name, _ in model.named_modules()):
+    if not any(layer_of(name, prefix) is not None for name, _ in model.named_modules()):
         raise ValueError(
             f"trl-fp8 found no decoder blocks in {type(model).__name__}: it converts the linears of blocks named "
             "`...layers.{i}` (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX, DeepSeek, ...), and this model names "
