@@ -133,6 +133,27 @@ def train_and_check(trainer):
     return trainer.state.log_history
 
 
+def make_layer(in_f=384, out_f=256, bias=True, seed=0):
+    """A seeded `nn.Linear` and an emulated `FP8Linear` made from a copy of it."""
+    import copy
+
+    from trl_fp8.quant import FP8Linear
+
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(in_f, out_f, bias=bias)
+    return lin, FP8Linear.from_linear(copy.deepcopy(lin), backend="emulated")
+
+
+def on_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Every finite E4M3 value, times one power of two per 128x128 tile: pow2 scales keep these exact."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x3F  # the two NaN codes -> 1.875
+    tiles = torch.randint(-6, 7, (-(-rows // 128), -(-cols // 128)), generator=g).float()
+    factor = (2.0**tiles).repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return codes.view(torch.float8_e4m3fn).float() * factor
+
+
 def holds_its_own_fp8_weight(module) -> bool:
     """Whether an `FP8Linear`'s cached FP8 weight (codes and scales) is the quantization of the master weight it holds
     now, under its own block size and scale rule."""

@@ -1,28 +1,20 @@
 """FP8Linear: all three GEMMs against the dequantize-then-matmul reference written out here, its error against a
-high-precision nn.Linear, the weight cache, and backend selection."""
-
-import copy
-import re
+high-precision nn.Linear, the weight cache, and backend selection. What follows a layer's later changes (moves, a new backend or
+block size): tests/test_linear_state.py; the `torch` backend on a GPU: tests/test_torch_backend.py."""
 
 import pytest
 import torch
-from conftest import HostSyncs, sqnr_db, tiny_config_kwargs, triton_marks
+from conftest import HostSyncs, make_layer, sqnr_db, tiny_config_kwargs, triton_marks
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, dequantize_blockwise, mark_weights_changed, quantize_blockwise
-from trl_fp8.quant.backends import available_backends, emulated, resolve_backend, torch_scaled_mm, triton_gemm
+from trl_fp8.quant.backends import available_backends, emulated, resolve_backend, triton_gemm
 
 
 def q_dq(x: torch.Tensor, block) -> torch.Tensor:
     return dequantize_blockwise(*quantize_blockwise(x, block), block)
-
-
-def make_layer(in_f=384, out_f=256, bias=True, seed=0):
-    torch.manual_seed(seed)
-    lin = nn.Linear(in_f, out_f, bias=bias)
-    return lin, FP8Linear.from_linear(copy.deepcopy(lin), backend="emulated")
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -187,10 +179,6 @@ def test_the_triton_interpreter_on_cpu_says_once_that_its_e4m3_cast_is_not_exact
     ]
 
 
-def _sm90() -> bool:
-    return torch_scaled_mm.is_available(torch.device("cuda"))[0] if torch.cuda.is_available() else False
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CPU divides exactly either way")
 def test_the_samplers_activation_scales_divide_on_the_gpu_as_on_the_cpu():
@@ -202,45 +190,6 @@ def test_the_samplers_activation_scales_divide_on_the_gpu_as_on_the_cpu():
     q_cpu, s_cpu = quantize_per_token_group(x)
     q_gpu, s_gpu = quantize_per_token_group(x.cuda())
     assert torch.equal(s_gpu.cpu(), s_cpu) and torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
-def test_auto_takes_the_oracle_for_weight_blocks_the_fast_gemms_refuse():
-    layer = FP8Linear(256, 256, backend="auto", weight_block_size=(64, 128), device="cuda")
-    y = layer(torch.randn(8, 256, device="cuda"))
-    assert layer._backend_for(y.device) is emulated
-    assert FP8Linear(256, 256, backend="auto", device="cuda")._backend_for(y.device) is not emulated
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
-# (130, 300, 144): every padding `cublas_operands` does (M to 4, K to 128, N to 128 under 128x128 scales).
-@pytest.mark.parametrize("m, k, n", [(128, 512, 384), (200, 512, 384), (130, 300, 144)])
-@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
-def test_torch_backend_matches_emulated(m, k, n, b_block):
-    a, sa = quantize_blockwise(torch.randn(m, k, device="cuda"), (1, 128))
-    b, sb = quantize_blockwise(torch.randn(n, k, device="cuda"), b_block)
-    fast = torch_scaled_mm.gemm(a, sa, b, sb, b_block, torch.float32)
-    assert fast.shape == (m, n) and fast.is_contiguous()
-    ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
-    # Same FP8 products; only the fp32 accumulation order differs.
-    assert sqnr_db(ref, fast) > 60
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
-@pytest.mark.parametrize("tokens", [256, 130])  # 130: the quantizer's padding to cuBLAS's layout, dropped after
-def test_torch_backend_linear_matches_emulated(tokens):
-    torch.manual_seed(0)
-    lin = nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
-    fast = FP8Linear.from_linear(copy.deepcopy(lin), backend="torch")
-    slow = FP8Linear.from_linear(copy.deepcopy(lin), backend="emulated")
-    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
-    xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
-    fast(xf).float().pow(2).sum().backward()
-    slow(xs).float().pow(2).sum().backward()
-    assert sqnr_db(xs.grad, xf.grad) > 35 and sqnr_db(slow.weight.grad, fast.weight.grad) > 35
 
 
 @pytest.fixture
@@ -366,174 +315,3 @@ def test_autocast_runs_the_linears_in_its_dtype_as_nn_linear_does(fuse_siblings)
         assert torch.equal(got, proj(xb)), proj.fp8_name
     (q.float().sum() + k.float().sum() + v.float().sum()).backward()
     assert x.grad.dtype == torch.float32 and attn.q_proj.weight.grad.dtype == torch.float32
-
-
-def _attention() -> nn.Module:
-    """q, k and v FP8Linears stacked as one sibling group."""
-    from trl_fp8.quant.siblings import group_siblings
-
-    torch.manual_seed(0)
-    attn = nn.Module()
-    for name, out_f in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128)):
-        setattr(attn, name, FP8Linear.from_linear(nn.Linear(256, out_f), backend="emulated", name=name))
-    assert group_siblings(attn)
-    return attn
-
-
-def assert_quantizes_its_weight(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> None:
-    q_ref, s_ref = quantize_blockwise(w.detach(), (128, 128))
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-
-
-# `.to()` and friends swap new values in through `param.data = ...`, which keeps the version counter, and the new
-# storage may take the old address (it often does after `.half().float()`): "same_address" forces that case.
-MOVES = {
-    "half_float": lambda m: m.half().float(),
-    "same_address": lambda m: m._apply(lambda t: t.data.mul_(2)),
-}
-
-
-@pytest.mark.parametrize("move", MOVES)
-def test_moving_a_layer_drops_its_fp8_caches(move):
-    attn, (_, alone) = _attention(), make_layer()
-    x = torch.randn(2, 256)
-    with torch.no_grad():
-        attn.q_proj(x), alone(torch.randn(2, 384))  # caches filled; k's and v's outputs pending
-    MOVES[move](attn), MOVES[move](alone)
-    group = attn.q_proj._siblings
-    assert alone._w_cache is None and group._cache is None and group._pending is None
-    for m in (alone, attn.q_proj, attn.k_proj, attn.v_proj):
-        assert_quantizes_its_weight(*m.quantized_weight(), m.weight)
-    with torch.no_grad():
-        fresh = FP8Linear.from_linear(attn.k_proj.to_linear(), backend="emulated")  # alone, on the moved weight
-        assert torch.equal(attn.k_proj(x), fresh(x))
-
-
-def test_create_graph_is_refused_not_answered_without_a_graph():
-    """The FP8 backwards are not differentiable. `once_differentiable` answered `create_graph=True` with a dX without
-    a graph and failed only a later `.backward()` through it: `torch.autograd.grad` skipped its error node, and a
-    gradient penalty with another path to x (here `sin`) silently lost its FP8 terms."""
-    from test_lora import fp8_lora_llama
-
-    attn, (_, alone) = _attention(), make_layer(in_f=256)
-    lora = fp8_lora_llama().base_model.model.model.layers[0].self_attn.q_proj
-    assert type(lora).__name__ == "FP8LoraLinear"
-    for layer in (alone, attn.q_proj, lora):
-        x = torch.randn(3, 256, requires_grad=True)
-        loss = layer(x).square().sum() + x.sin().sum()
-        with pytest.raises(RuntimeError, match="differentiable once.*create_graph=True"):
-            torch.autograd.grad(loss, x, create_graph=True)
-        (dx,) = torch.autograd.grad(layer(x).square().sum() + x.sin().sum(), x)  # first order still answers
-        assert dx.grad_fn is None and torch.isfinite(dx).all()
-
-
-def _moe_layer_kinds(model) -> dict[str, list[nn.Module]]:
-    from trl_fp8.quant.moe import FP8Experts
-
-    layer = model.model.layers[0]
-    attn = layer.self_attn
-    assert attn.q_proj._siblings is not None and attn.o_proj._siblings is None
-    assert isinstance(layer.mlp.experts, FP8Experts)
-    return {
-        "alone": [attn.o_proj],
-        "siblings": [attn.q_proj, attn.k_proj, attn.v_proj],
-        "experts": [layer.mlp.experts],
-    }
-
-
-@pytest.mark.parametrize("kind", ["alone", "siblings", "experts"])
-def test_a_backend_set_after_a_forward_is_the_one_that_runs(kind):
-    """Setting `backend` was ignored once a forward had resolved one: the layer went on with the old backend."""
-    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
-
-    model = convert_to_fp8(tiny_qwen3_moe(), FP8Recipe(backend="emulated"))
-    ids = torch.randint(0, 100, (1, 8))
-    with torch.no_grad():
-        logits = model(ids).logits
-    layers = _moe_layer_kinds(model)[kind]
-    for m in layers:
-        m.backend = "torch"  # cuBLAS: never on CPU tensors
-    with torch.no_grad(), pytest.raises(RuntimeError, match="FP8 backend 'torch'"):
-        model(ids)
-    for m in layers:
-        m.backend = "emulated"
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, logits)
-
-
-def test_an_input_that_is_not_floating_point_is_refused_naming_the_layer():
-    """Token ids passed where hidden states belong: `nn.Linear` answers with a dtype mismatch naming no layer, and the
-    quantizer's error named the tensor 'tensor'."""
-    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
-
-    model = convert_to_fp8(tiny_qwen3_moe(), FP8Recipe(backend="emulated"))
-    ids = torch.randint(0, 100, (1, 8, model.config.hidden_size))
-    for kind, layers in _moe_layer_kinds(model).items():
-        for m in layers:
-            name = re.escape(m.fp8_name.removesuffix(".weight"))
-            args = (ids, torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2)) if kind == "experts" else (ids,)
-            with pytest.raises(TypeError, match=rf"^{name}: expected a floating-point input tensor, got torch\.int64"):
-                m(*args)
-
-
-def test_a_backend_is_checked_when_set_and_siblings_must_share_theirs():
-    from trl_fp8.demo.tiny_moe import tiny_qwen3_moe
-
-    model = convert_to_fp8(tiny_qwen3_moe(), FP8Recipe(backend="emulated"))
-    kinds = _moe_layer_kinds(model)
-    for m in kinds["alone"] + kinds["experts"]:
-        with pytest.raises(
-            ValueError, match=r"model\.layers\.0\.(self_attn\.o_proj|mlp\.experts): unknown FP8 backend"
-        ):
-            m.backend = "fast"
-        assert m.backend == "emulated"
-    q, k, v = kinds["siblings"]
-    ids = torch.randint(0, 100, (1, 8))
-    changes = {"backend": "triton", "weight_block_size": (64, 128), "pow2_scales": True}
-    for setting, value in changes.items():
-        before = getattr(q, setting)
-        setattr(q, setting, value)
-        shown = repr(value) if setting == "backend" else str(value)
-        with (
-            torch.no_grad(),
-            pytest.raises(ValueError, match=rf"one GEMM(.|\n)*q_proj.weight: .*{setting}={re.escape(shown)}"),
-        ):
-            model(ids)
-        setattr(q, setting, before)
-    with torch.no_grad():
-        model(ids)
-
-
-def test_a_weight_block_size_set_after_a_forward_is_the_one_quantized():
-    _, layer = make_layer()
-    x = torch.randn(3, 384)
-    with torch.no_grad():
-        layer(x)
-    layer.weight_block_size = (64, 128)
-    q, s = layer.quantized_weight()
-    q_ref, s_ref = quantize_blockwise(layer.weight.detach(), (64, 128))
-    assert s.shape == (4, 3) and torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    fresh = FP8Linear.from_linear(layer.to_linear(), backend="emulated", weight_block_size=(64, 128))
-    with torch.no_grad():
-        assert torch.equal(layer(x), fresh(x))
-
-
-@pytest.mark.parametrize("block", [(0, 128), (64,), 128, (64.0, 128), (64, 128, 1)])
-def test_a_bad_weight_block_size_is_refused_when_set_naming_the_layer(block):
-    """It was taken as given and failed at the next quantization, inside a training step."""
-    model = convert_to_fp8(
-        LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(num_hidden_layers=1))), FP8Recipe(backend="emulated")
-    )
-    layer = model.model.layers[0].mlp.down_proj
-    x = torch.randn(2, layer.in_features)
-    with torch.no_grad():
-        before = layer(x)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: weight_block_size must be two"):
-        layer.weight_block_size = block
-    assert layer.weight_block_size == (128, 128)  # unchanged, and the layer runs as before
-    with torch.no_grad():
-        assert torch.equal(layer(x), before)
-    with pytest.raises(ValueError, match="FP8Linear: weight_block_size must be two positive ints"):
-        FP8Linear(16, 16, weight_block_size=block)
-    with pytest.raises(ValueError, match="FP8Linear: unknown FP8 backend 'fast'"):  # it used to say "weight: "
-        FP8Linear(16, 16, backend="fast")

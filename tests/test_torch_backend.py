@@ -4,16 +4,19 @@
 `cublas_operands` to the layout rules that ATen checks before calling cuBLAS (`_scaled_block1x128_block128x128` and
 `_scaled_block1x128_block1x128` in `aten/src/ATen/native/cuda/ScaledBlas.cpp`, restated below), compute the GEMM
 those operands describe, and check that on the training path (the fused quantizers' padded outputs, the weight's
-cached transposes) nothing is copied. The real kernel is run against `emulated` by the GPU tests in
-`tests/test_linear.py` and `benchmarks/gpu_bench.py`.
+cached transposes) nothing is copied. The real kernel is run against `emulated` by the GPU tests at the end of
+this file and by `benchmarks/gpu_bench.py`.
 """
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import sqnr_db, tiny_config_kwargs, triton_marks
+from torch import nn
 
-from trl_fp8.quant import quantize_blockwise
+from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.backends import emulated, torch_scaled_mm
 from trl_fp8.quant.backends._quantize import fast_act, fast_act_columns, fast_weight
 from trl_fp8.quant.backends.torch_scaled_mm import cublas_operands
@@ -210,3 +213,47 @@ def test_stacked_siblings_operands_need_no_copy(tokens):
         assert "row slice" in name or _no_copy((mat_a, mat_b, scale_a, scale_b), (a, b, sa, sb)), name
         ref = emulated.gemm(a, sa, b, sb, block, torch.float32)
         assert sqnr_db(ref, scaled_mm_as_described(mat_a, mat_b, scale_a, scale_b, recipe_b)) > 100, name
+
+
+# The real kernel, on an SM90 GPU, against the oracle.
+def _sm90() -> bool:
+    return torch_scaled_mm.is_available(torch.device("cuda"))[0] if torch.cuda.is_available() else False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
+def test_auto_takes_the_oracle_for_weight_blocks_the_fast_gemms_refuse():
+    layer = FP8Linear(256, 256, backend="auto", weight_block_size=(64, 128), device="cuda")
+    y = layer(torch.randn(8, 256, device="cuda"))
+    assert layer._backend_for(y.device) is emulated
+    assert FP8Linear(256, 256, backend="auto", device="cuda")._backend_for(y.device) is not emulated
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
+# (130, 300, 144): every padding `cublas_operands` does (M to 4, K to 128, N to 128 under 128x128 scales).
+@pytest.mark.parametrize("m, k, n", [(128, 512, 384), (200, 512, 384), (130, 300, 144)])
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+def test_torch_backend_matches_emulated(m, k, n, b_block):
+    a, sa = quantize_blockwise(torch.randn(m, k, device="cuda"), (1, 128))
+    b, sb = quantize_blockwise(torch.randn(n, k, device="cuda"), b_block)
+    fast = torch_scaled_mm.gemm(a, sa, b, sb, b_block, torch.float32)
+    assert fast.shape == (m, n) and fast.is_contiguous()
+    ref = emulated.gemm(a, sa, b, sb, b_block, torch.float32)
+    # Same FP8 products; only the fp32 accumulation order differs.
+    assert sqnr_db(ref, fast) > 60
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU with blockwise F.scaled_mm")
+@pytest.mark.parametrize("tokens", [256, 130])  # 130: the quantizer's padding to cuBLAS's layout, dropped after
+def test_torch_backend_linear_matches_emulated(tokens):
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
+    fast = FP8Linear.from_linear(copy.deepcopy(lin), backend="torch")
+    slow = FP8Linear.from_linear(copy.deepcopy(lin), backend="emulated")
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fast(xf).float().pow(2).sum().backward()
+    slow(xs).float().pow(2).sum().backward()
+    assert sqnr_db(xs.grad, xf.grad) > 35 and sqnr_db(slow.weight.grad, fast.weight.grad) > 35

@@ -311,7 +311,7 @@ def test_attention_rows_come_from_each_layers_own_config(tp_size):
 
 
 # Gemma3nTextModel's `hf_to_vllm_mapper.orig_to_new_prefix` in vLLM 0.31's gemma3n.py (what
-# `vllm_nested_prefix_maps(["Gemma3nForCausalLM"])` reads there: tests/test_vllm_engine.py runs the family).
+# `vllm_nested_prefix_maps(["Gemma3nForCausalLM"])` reads there: tests/test_vllm_end_to_end.py runs the family).
 GEMMA3N_TEXT_MODEL_PREFIXES = {
     "embed_tokens.": "self_decoder.embed_tokens.",
     "embed_tokens_per_layer.": "self_decoder.embed_tokens_per_layer.",

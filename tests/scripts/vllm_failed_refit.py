@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm_engine.py (vLLM only): a refit that fails inside vLLM's reload (the stream raises after
+"""Run by tests/test_vllm_end_to_end.py (vLLM only): a refit that fails inside vLLM's reload (the stream raises after
 layer 0 and the first weight of layer 1, as an out-of-memory while vLLM rebuilds a layer would), then the next sync,
 with an image's encoder output cached on both sides beforehand (which that sync must clear).
 The checks' raw material in `<output_dir>/result.json`. On vLLM's CPU build the block-FP8 kernels are stood in for as

@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm_engine.py (vLLM only), one family per process: a tiny random model of a
+"""Run by tests/test_vllm_end_to_end.py (vLLM only), one family per process: a tiny random model of a
 `trl_fp8.demo.families` family, saved with the demo tokenizer, trained two FP8 GRPO steps (with a reference model:
 beta > 0) with colocated vLLM in block FP8; the checks' raw material in `<output_dir>/result.json`. On vLLM's CPU build
 the block-FP8 kernels are stood in for as in tests/scripts/vllm_two_steps.py.

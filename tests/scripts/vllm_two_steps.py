@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm_engine.py (vLLM only), one configuration per process since vLLM sets up one engine per
+"""Run by tests/test_vllm_end_to_end.py (vLLM only), one configuration per process since vLLM sets up one engine per
 process: two FP8 GRPO steps with colocated vLLM in block FP8, then the checks' raw material in
 `<output_dir>/result.json`.
 
