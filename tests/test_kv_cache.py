@@ -317,6 +317,31 @@ def test_end_to_end_fp8_with_fp8_kv_cache_in_the_trainer(tmp_path):
         torch.testing.assert_close(torch.tensor([x[0] for x in lp]), full, atol=1e-4, rtol=1e-4)
 
 
+def test_the_kv_scale_fields_set_the_samplers_scales(tmp_path):
+    """`fp8_kv_scale_percentile` and `fp8_kv_scale_margin` set the scales the trainer's sampler holds: the reference
+    engine FP8GRPOTrainer builds measures its Q/K/V scales with them (validated and then ignored, they would change
+    nothing)."""
+    model, tokenizer = load_demo_model_and_tokenizer()
+    args = tiny_grpo_args(
+        tmp_path, fp8_kv_cache=True, fp8_kv_scale_percentile=50.0, fp8_kv_scale_margin=3.0, max_steps=1
+    )
+    trainer = FP8GRPOTrainer(
+        model=model, reward_funcs=accuracy_reward, args=args, train_dataset=make_dataset(16),
+        processing_class=tokenizer,
+    )  # fmt: skip
+    engine = trainer.vllm_generation
+    prompts = [tokenizer(p)["input_ids"] for p in make_dataset(4, seed=1)["prompt"]]
+    engine.calibration_batch = left_pad(prompts, tokenizer.pad_token_id)
+    engine.sync_weights()
+    ids, mask = engine.calibration_batch
+    want = calibrate_kv_scales(trainer.model.get_decoder(), ids, mask, percentile=50.0, margin=3.0)
+    default = calibrate_kv_scales(trainer.model.get_decoder(), ids, mask)
+    assert not torch.equal(want, default)
+    torch.testing.assert_close(engine._kv_scale_invs, want, rtol=0, atol=0)
+    held = engine.sampler.get_submodule(engine._attn_names[0])
+    assert (held.k_scale.item(), held.v_scale.item(), held.q_scale.item()) == tuple(want[0].tolist())
+
+
 def test_kv_calibration_runs_on_rows_spread_over_the_latest_training_batch(tmp_path):
     """`fp8_kv_calibration_rows` sequences: of the first batch's prompts before any batch is finished, then of the
     latest training batch, prompts and completions. They are spread over the batch, which holds each prompt's

@@ -1,6 +1,6 @@
 """FP8GRPOTrainer as a drop-in GRPOTrainer: TRL's own test patterns, on a real tiny Llama, a real tokenizer and a
-real `datasets.Dataset`, all built in-process. The sampling engine's side of it: tests/test_reference_engine.py; what the trainer refuses:
-tests/test_trainer_refusals.py."""
+real `datasets.Dataset`, all built in-process. The sampling engine's side of it: tests/test_reference_engine.py; what
+the trainer refuses: tests/test_trainer_refusals.py."""
 
 import logging
 import math
@@ -260,6 +260,24 @@ def test_mismatch_metrics_are_the_formulas_nemo_rl_and_verl_log(tmp_path, demo_t
     assert small["sampling/token_mult_prob_error"] == pytest.approx(
         1 + torch.expm1(d64.abs()).mean().item(), rel=1e-15
     )
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_is_oob_ratio_counts_whole_sequences_in_every_sequence_mode(tmp_path, demo_tokenizer, mode):
+    """`sampling/is_oob_ratio` in both sequence modes: TRL's `sequence_truncate`, like `sequence_mask`, compares each
+    sequence's summed log-ratio with the caps, so every token of a sequence outside them counts as out of bounds."""
+    trainer = digit_trainer(tmp_path, demo_tokenizer)
+    # Row 1: no token alone leaves the cap 2.0 (exp 0.5 < 2), but the sequence does (exp 1.0 > 2): both its tokens.
+    # Row 0: exp(0.8) > 2 alone, but its sequence sums to 0.6: none of its tokens.
+    d = torch.tensor([[0.8, -0.1, -0.1], [0.5, 0.5, 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    gen = torch.full_like(d, -2.0)
+    trainer.vllm_importance_sampling_mode = mode
+    trainer._metrics["train"].clear()
+    trainer._log_mismatch(
+        {"sampling_per_token_logps": gen, "old_per_token_logps": gen + d, "completion_mask": mask}, "train"
+    )
+    assert trainer._metrics["train"]["sampling/is_oob_ratio"][-1] == pytest.approx(2 / 5)
 
 
 def test_rollout_func_samples_with_the_learners_current_fp8_weights(tmp_path, demo_tokenizer, monkeypatch):

@@ -6,9 +6,13 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.generation.vllm_fp8 import (
+    FP8VLLMGeneration,
     attention_impls,
     check_kv_scale_backend,
 )
@@ -54,16 +58,22 @@ def test_refit_call_sequence(sleep_mode):
     assert llm.calls[3:] == [reload, ("reset_prefix_cache",)]
 
 
+def _sync_engine(llm, stream, sleeping: bool = False) -> FP8VLLMGeneration:
+    """An `FP8VLLMGeneration` holding only what `sync_weights` reads, over the stand-in `llm` and a `stream()` of
+    (name, tensor) pairs; with `sleeping`, in sleep mode with its weights asleep."""
+    engine = object.__new__(FP8VLLMGeneration)
+    engine.llm, engine.enable_sleep_mode, engine._llm_weights_sleeping = llm, sleeping, sleeping
+    engine.kv_cache, engine._stream_meta = False, None
+    engine.state_stream = lambda kv_scale_invs=None: stream()
+    return engine
+
+
 def test_sync_weights_wakes_sleeping_weights_once_even_when_the_reload_fails():
     """With sleep mode, `sync_weights` wakes the weights only while they sleep (a second sync without a generation
-    between them finds them awake), and records them awake as soon as they are: after a refit that failed inside the reload, the next sync must not
-    wake them again. A stand-in: vLLM's CPU build has no sleep mode, and the engine here is `_RecordingLLM`."""
-    from trl_fp8.generation.vllm_fp8 import FP8VLLMGeneration
-
-    engine = object.__new__(FP8VLLMGeneration)  # only what sync_weights reads
-    engine.llm, engine.enable_sleep_mode, engine._llm_weights_sleeping = _RecordingLLM(fail_reloads=1), True, True
-    engine.kv_cache, engine._stream_meta = False, None
-    engine.state_stream = lambda kv_scale_invs=None: [("model.norm.weight", torch.ones(4))]
+    between them finds them awake), and records them awake as soon as they are: after a refit that failed inside the
+    reload, the next sync must not wake them again. A stand-in: vLLM's CPU build has no sleep mode, and the engine here
+    is `_RecordingLLM`."""
+    engine = _sync_engine(_RecordingLLM(fail_reloads=1), lambda: [("model.norm.weight", torch.ones(4))], sleeping=True)
     with pytest.raises(RuntimeError, match="simulated out-of-memory"):
         engine.sync_weights()
     assert not engine._llm_weights_sleeping
@@ -198,3 +208,46 @@ def test_fp8_kv_cache_refuses_an_attention_backend_that_keeps_stale_scales():
     assert found["layers.1.attn"] == "CompositeAttentionImpl(FlashInferImpl, FlashAttentionImpl)"
     with pytest.raises(ValueError, match=r"vLLM picked CompositeAttentionImpl\(FlashInferImpl, FlashAttentionImpl\)"):
         check_kv_scale_backend(found)
+
+
+def test_a_bad_stream_never_reaches_vllm():
+    """`sync_weights` validates the whole stream before any of it reaches vLLM (DESIGN.md §3: a failed sync leaves the
+    engine on its last good weights; vLLM's layerwise reload would otherwise write the layers before the bad tensor
+    and then fail half-way). `validate_stream` itself is tested in tests/test_vllm_engine.py; this checks that the
+    engine calls it, and before the refit, on a real converted model's stream."""
+    model = tiny_model(LlamaConfig, LlamaForCausalLM)
+    convert_to_fp8(model, FP8Recipe())
+    good = list(iter_fp8_state(model))
+    current = {"pairs": good}
+    engine = _sync_engine(_RecordingLLM(), lambda: current["pairs"])
+    engine.sync_weights()
+    assert [c[0] for c in engine.llm.calls] == ["collective_rpc", "reset_prefix_cache", "reset_enc"]
+    engine.llm.calls.clear()
+    # A diverged learner: a NaN in a high-precision tensor.
+    current["pairs"] = [(n, t.clone().fill_(float("nan")) if n == "model.norm.weight" else t) for n, t in good]
+    with pytest.raises(ValueError, match=r"NaN, inf or non-positive scales in \['model.norm.weight'\]"):
+        engine.sync_weights()
+    assert engine.llm.calls == [], "the refit ran before (or without) the stream's validation"
+    # A stream whose layout changed since the first sync (vLLM loads into the first sync's storage).
+    current["pairs"] = [(n, t) for n, t in good if n != "model.norm.weight"]
+    with pytest.raises(ValueError, match=r"changed since the first sync: missing \['model.norm.weight'\]"):
+        engine.sync_weights()
+    assert engine.llm.calls == []
+    current["pairs"] = good
+    engine.sync_weights()
+    assert [c[0] for c in engine.llm.calls] == ["collective_rpc", "reset_prefix_cache", "reset_enc"]
+
+
+def test_a_prefix_cache_vllm_could_not_reset_fails_the_refit():
+    """vLLM refuses to reset its prefix cache while requests run, with only a warning (it returns False): the cached
+    prefixes would then serve the old weights' KV to the next generation, so the refit raises."""
+
+    class BusyLLM(_RecordingLLM):
+        def reset_prefix_cache(self):
+            super().reset_prefix_cache()
+            return False
+
+    llm = BusyLLM()
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        refit(llm, [("model.norm.weight", torch.ones(4))])
+    assert [c[0] for c in llm.calls] == ["collective_rpc", "reset_prefix_cache"]
