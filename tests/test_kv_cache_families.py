@@ -28,8 +28,8 @@ from trl_fp8.quant.kv_cache import (
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma3n"])
 def test_a_layer_reading_another_layers_kv_takes_that_layers_scales(monkeypatch, family):
-    """Gemma 4's and Gemma 3n's last `num_kv_shared_layers` layers attend over an earlier layer's K/V: they read its FP8
-    codes, so they take its K/V scales (vLLM dequantizes what a shared layer reads with the shared layer's own
+    """Gemma 4's and Gemma 3n's last `num_kv_shared_layers` layers attend over an earlier layer's K/V: they read its
+    FP8 codes, so they take its K/V scales (vLLM dequantizes what a shared layer reads with the shared layer's own
     `k_scale`, and a checkpoint carries them); their queries are their own. Calibration failed on them before ("the
     forward stored K/V for layers [0, 1] of [0, 1, 2]"), and they were refused."""
     from trl_fp8.quant import kv_cache

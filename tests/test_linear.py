@@ -1,6 +1,6 @@
 """FP8Linear: all three GEMMs against the dequantize-then-matmul reference written out here, its error against a
-high-precision nn.Linear, the weight cache, and backend selection. What follows a layer's later changes (moves, a new backend or
-block size): tests/test_linear_state.py; the `torch` backend on a GPU: tests/test_torch_backend.py."""
+high-precision nn.Linear, the weight cache, and backend selection. What follows a layer's later changes (moves, a new
+backend or block size): tests/test_linear_state.py; the `torch` backend on a GPU: tests/test_torch_backend.py."""
 
 import pytest
 import torch

@@ -98,7 +98,8 @@ def test_fp32_model_with_bf16_and_generation_kwargs(tmp_path, demo_tokenizer):
 def test_a_weight_named_like_a_scale_is_cast_as_a_weight(fp8):
     """Only the stream's scales (`weight_scale_inv`, the KV cache's `k_scale`/`v_scale`/`q_scale`) keep their own
     dtype: a model weight whose name ends in `_scale` (Gemma 3n's `altup.correct_output_scale`) is cast to the
-    sampler's dtype like any weight. It used to keep the fp32 learner's dtype, and a bf16 sampler refused every sync."""
+    sampler's dtype like any weight. It used to keep the fp32 learner's dtype, and a bf16 sampler refused every
+    sync."""
     from accelerate import Accelerator
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 

@@ -1,7 +1,8 @@
 """The Triton GEMM compiles for Hopper (SM90) on this CPU machine, and keeps what its code claims there: every
 autotune config runs on FP8 tensor-core MMAs, spilling no more than a few registers, the TMA configs are
-warp-specialized, and a tile within one 128x128 weight block scales each K block's products with one FFMA apiece. `benchmarks/sm90_static.py` compiles it in a
-subprocess: the suite interprets the kernels (`TRITON_INTERPRET=1`), which makes them Python functions."""
+warp-specialized, and a tile within one 128x128 weight block scales each K block's products with one FFMA apiece.
+`benchmarks/sm90_static.py` compiles it in a subprocess: the suite interprets the kernels (`TRITON_INTERPRET=1`), which
+makes them Python functions."""
 
 import json
 import os

@@ -63,10 +63,10 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     then holds the learner's export bit for bit (with LoRA: each layer's merged weight) and the synced K/V/Q scales
     (the tensors and the host floats some attention backends read); 50 more syncs write into the tensors vLLM holds
     and, on a GPU, leave its memory flat; the FP8 checkpoint `save_model()` writes, served by a fresh engine, decodes
-    as the refitted one. The mismatch bounds catch a sampler that does not run the synced weights
-    (with the refit left out, vLLM samples from its dummy weights: 3879 and 3714 here): < 1.05, and < 1.3 with the FP8 KV cache, which on this small model
-    moves single steps a lot: the reference engine, same model, batch and bf16, gave 1.01-1.23 per step over 18
-    steps (3 seeds x 6), vLLM's CPU build 1.06 and 1.14."""
+    as the refitted one. The mismatch bounds catch a sampler that does not run the synced weights (with the refit left
+    out, vLLM samples from its dummy weights: 3879 and 3714 here): < 1.05, and < 1.3 with the FP8 KV cache, which on
+    this small model moves single steps a lot: the reference engine, same model, batch and bf16, gave 1.01-1.23 per
+    step over 18 steps (3 seeds x 6), vLLM's CPU build 1.06 and 1.14."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_two_steps.py"), str(tmp_path)]
     cmd += ["--kv_cache"] * kv_cache + ["--lora"] * lora
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
@@ -103,10 +103,10 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
         torch.testing.assert_close(torch.tensor(theirs["logprobs"]), torch.tensor(ours["logprobs"]), rtol=0, atol=atol)
 
 
-# The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2 through
-# vLLM 0.31's Transformers backend; Qwen3.5 with an empty torchvision, see tests/scripts/vllm_family.py). Left out:
-# tiny Gemma 2 (untied lm_head) and Phi (GQA), which vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31 reads
-# `block_dim`, which the tiny config lacks), and GPT-OSS (refused with fp8_generation).
+# The families of trl_fp8.demo.families that vLLM's CPU build serves in block FP8 (OLMo 2, SmolLM3 and Starcoder2
+# through vLLM 0.31's Transformers backend; Qwen3.5 with an empty torchvision, see tests/scripts/vllm_family.py). Left
+# out: tiny Gemma 2 (untied lm_head) and Phi (GQA), which vLLM's classes cannot hold even in BF16, LFM2 (vLLM 0.31
+# reads `block_dim`, which the tiny config lacks), and GPT-OSS (refused with fp8_generation).
 VLLM_FAMILIES = (
     "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral", "gemma3", "gemma4", "gemma3n", "olmo", "olmo2",
     "smollm3", "granite", "glm4", "starcoder2", "cohere2", "exaone4", "ernie4_5", "mixtral", "olmoe", "gpt_neox",

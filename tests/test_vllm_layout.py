@@ -347,7 +347,8 @@ def test_vllm_ignores_the_high_precision_layers_a_nested_model_moves():
         assert set(renamed) <= set(ignored)
 
 
-# vLLM 0.31's packed_modules_mapping for Gemma 3n / Gemma 4 (gemma3n.py Gemma3nForCausalLM, gemma4.py Gemma4ForCausalLM).
+# vLLM 0.31's packed_modules_mapping for Gemma 3n / Gemma 4 (gemma3n.py Gemma3nForCausalLM, gemma4.py
+# Gemma4ForCausalLM).
 GEMMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 

@@ -1,6 +1,6 @@
 """Colocated vLLM over two processes (vLLM's tests, `pytest -m vllm`; its CPU build runs them through
-tests/scripts/vllm_cpu.sh): one engine per rank under DDP, DeepSpeed ZeRO-3 or FSDP2, and one engine in tensor parallelism
-over both ranks. Each rank runs tests/scripts/vllm_ddp_two_steps.py."""
+tests/scripts/vllm_cpu.sh): one engine per rank under DDP, DeepSpeed ZeRO-3 or FSDP2, and one engine in tensor
+parallelism over both ranks. Each rank runs tests/scripts/vllm_ddp_two_steps.py."""
 
 import importlib.util
 import itertools
@@ -45,11 +45,11 @@ _NOT_TWO_RANKS = dict(condition=torch.cuda.device_count() == 1, reason="one engi
 @pytest.mark.parametrize("layout", ["ddp", "zero3", pytest.param("fsdp2", marks=needs_fsdp2())])
 def test_two_ranks_each_with_a_colocated_vllm_engine_serve_the_same_fp8_weights(tmp_path, layout):
     """DDP (or DeepSpeed ZeRO-3, or FSDP2, whose syncs gather the sharded learner module by module, or unit by unit)
-    over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV
-    cache (where vLLM runs one: a GPU, or a CPU with AVX-512 or AMX): the learners end identical, each engine serves its learner's q/k/v export bit for bit, and the two engines
-    hold the same bytes in every parameter and the same K/V/Q scales (calibrated on both ranks' rows). In bf16: under
-    FSDP2 the master weights are fp32 and the units unshard bf16 copies, which the stream quantizes, as the forward
-    does."""
+    over two processes with one colocated vLLM engine per rank (TRL's colocate layout on a node) and the FP8 KV cache
+    (where vLLM runs one: a GPU, or a CPU with AVX-512 or AMX): the learners end identical, each engine serves its
+    learner's q/k/v export bit for bit, and the two engines hold the same bytes in every parameter and the same K/V/Q
+    scales (calibrated on both ranks' rows). In bf16: under FSDP2 the master weights are fp32 and the units unshard
+    bf16 copies, which the stream quantizes, as the forward does."""
     if layout == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs DeepSpeed (pip install deepspeed)")
     on_gpu = torch.cuda.is_available()  # (two of the 8-GPU config's eight processes)

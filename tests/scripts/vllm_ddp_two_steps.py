@@ -1,11 +1,10 @@
 """Run by tests/test_vllm_ranks.py under `accelerate launch --num_processes 2` (vLLM only): two FP8 GRPO steps with
-DDP (or DeepSpeed ZeRO-3, or FSDP2, as the accelerate config says), the FP8 KV cache and one colocated vLLM engine per rank,
-as on a node of GPUs; then each rank writes what its engine serves (weights, K/V/Q scales), its learner's
-parameters and its export to `<output_dir>/rank{r}.pt`. With
-`--tp`, the two ranks' engines are one engine in tensor parallelism (`vllm_tensor_parallel_size=2`), on a tiny Qwen3
-whose every shard is whole 128x128 blocks. On vLLM's CPU build the block-FP8 kernels are stood in for as in
-tests/scripts/vllm_two_steps.py. `--no_kv_cache` leaves the FP8 KV cache out (vLLM's CPU build runs one only on
-x86 with AVX-512 or AMX).
+DDP (or DeepSpeed ZeRO-3, or FSDP2, as the accelerate config says), the FP8 KV cache and one colocated vLLM engine per
+rank, as on a node of GPUs; then each rank writes what its engine serves (weights, K/V/Q scales), its learner's
+parameters and its export to `<output_dir>/rank{r}.pt`. With `--tp`, the two ranks' engines are one engine in tensor
+parallelism (`vllm_tensor_parallel_size=2`), on a tiny Qwen3 whose every shard is whole 128x128 blocks. On vLLM's CPU
+build the block-FP8 kernels are stood in for as in tests/scripts/vllm_two_steps.py. `--no_kv_cache` leaves the FP8 KV
+cache out (vLLM's CPU build runs one only on x86 with AVX-512 or AMX).
 
     accelerate launch --multi_gpu --num_processes 2 tests/scripts/vllm_ddp_two_steps.py OUTPUT_DIR [--tp] [--no_kv_cache]
 """

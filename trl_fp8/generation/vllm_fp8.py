@@ -269,8 +269,8 @@ def check_kv_scale_backend(impls: dict[str, str]) -> None:
     if stale:
         raise ValueError(
             f"fp8_kv_cache: vLLM picked {impls[stale[0]]} for {stale[:3]}{' ...' if len(stale) > 3 else ''}, which "
-            "reads the K/V scales once (or from CUDA graphs), not from the tensors each sync updates. Choose a backend "
-            'that reads them: vllm_llm_kwargs={"attention_backend": "FLASH_ATTN"} (Hopper) or "TRITON_ATTN".'
+            "reads the K/V scales once (or from CUDA graphs), not from the tensors each sync updates. Choose a "
+            'backend that reads them: vllm_llm_kwargs={"attention_backend": "FLASH_ATTN"} (Hopper) or "TRITON_ATTN".'
         )
 
 

@@ -52,7 +52,8 @@ def recurrent_layers(config) -> dict[int, LinearAttentionCacheLayerMixin]:
 def kv_shared_sources(config) -> dict[int, int]:
     """For each layer that reads another layer's K/V instead of storing its own (the last `num_kv_shared_layers` of
     Gemma 4 and Gemma 3n), the layer it reads: the last earlier layer of its attention type that stores K/V, as
-    transformers and vLLM pick it. Such a layer's K/V are that layer's FP8 codes, so it takes that layer's K/V scales."""
+    transformers and vLLM pick it. Such a layer's K/V are that layer's FP8 codes, so it takes that layer's K/V
+    scales."""
     shared = getattr(config, "num_kv_shared_layers", 0) or 0
     if not shared:
         return {}

@@ -4,8 +4,8 @@ Routed (token, k) pairs are copied into one buffer, grouped by expert, each expe
 of 128 rows (zero rows fill the gaps). Then every 128-row tile belongs to one expert, and one pass of the fused
 quantizer over the buffer gives exactly the per-expert quantizations: rows are quantized alone along K, and the
 column-wise (wgrad) blocks of 128 tokens never straddle two experts; the zero rows raise no amax. The GEMMs are the
-grouped Triton kernels of `backends/triton_gemm_kernels.py`. Numerically this is the per-expert path of `moe.py`, summed
-in another order (the tests hold the two together).
+grouped Triton kernels of `backends/triton_gemm_kernels.py`. Numerically this is the per-expert path of `moe.py`,
+summed in another order (the tests hold the two together).
 """
 
 from typing import NamedTuple
