@@ -20,7 +20,7 @@ from trl_fp8.generation.vllm_layout import check_vllm_fp8_layers
 from trl_fp8.quant import FP8Linear, dequantize_blockwise, iter_fp8_state, quantize_blockwise
 from trl_fp8.quant.export import load_state_stream
 from trl_fp8.quant.fp8_checkpoint import save_fp8_checkpoint
-from trl_fp8.quant.moe import FP8Experts, W8A8Experts, capture_routing
+from trl_fp8.quant.moe import FP8Experts, W8A8Experts, capture_routing, is_fused_experts
 
 
 def test_per_expert_quantization_equals_quantizing_each_expert_alone():
@@ -204,26 +204,31 @@ def test_experts_off_the_block_grid_stay_in_high_precision_with_a_warning():
     assert "not in whole" not in message and not any(isinstance(m, FP8Experts) for m in model.modules())
 
 
+def _router_check(tmp_path, tokenizer):
+    """A BF16 trainer of a tiny Qwen3-MoE with its sampler synced, and a padded batch as TRL hands it over."""
+    args = tiny_grpo_args(tmp_path, fp8_training=False, fp8_generation=False)
+    model = qwen3_moe(tokenizer)
+    trainer = FP8GRPOTrainer(
+        model=model, reward_funcs=digit_reward, args=args, train_dataset=make_dataset(16), processing_class=tokenizer
+    )
+    trainer.vllm_generation.sync_weights()
+    prompt_mask, completion_mask = torch.tensor([[0, 0, 1], [1, 1, 1]]), torch.tensor([[1, 0, 0], [1, 1, 1]])
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]).masked_fill(mask == 0, tokenizer.pad_token_id)
+    output = {"prompt_ids": ids[:, :3], "completion_ids": ids[:, 3:], "prompt_mask": prompt_mask}
+    output["completion_mask"] = completion_mask
+    return trainer, model, output, ids, mask
+
+
 def test_router_mismatch_counts_real_tokens_only(tmp_path, demo_tokenizer):
     """`fp8/router_mismatch` is a share of (real token, MoE layer) pairs. With every router of the sampler negated,
     each real token goes to the other 2 of the 4 experts in both layers (1.0); some padded positions do not (their
     router logits tie), so counting padding would lower the figure."""
-    args = tiny_grpo_args(tmp_path, fp8_training=False, fp8_generation=False)
-    model = qwen3_moe(demo_tokenizer)
-    trainer = FP8GRPOTrainer(
-        model=model, reward_funcs=digit_reward, args=args, train_dataset=make_dataset(16),
-        processing_class=demo_tokenizer,
-    )  # fmt: skip
-    engine, pad = trainer.vllm_generation, demo_tokenizer.pad_token_id
-    engine.sync_weights()
+    trainer, model, output, ids, mask = _router_check(tmp_path, demo_tokenizer)
+    engine = trainer.vllm_generation
     with torch.no_grad():
         for layer in engine.sampler.model.layers:
             layer.mlp.gate.weight.neg_()
-    prompt_mask, completion_mask = torch.tensor([[0, 0, 1], [1, 1, 1]]), torch.tensor([[1, 0, 0], [1, 1, 1]])
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]).masked_fill(mask == 0, pad)
-    output = {"prompt_ids": ids[:, :3], "completion_ids": ids[:, 3:], "prompt_mask": prompt_mask}
-    output["completion_mask"] = completion_mask
     trainer._log_router_mismatch(output, "train")
     assert trainer._metrics["train"]["fp8/router_mismatch"] == [1.0]
     with torch.no_grad(), capture_routing(engine.sampler) as sampled, capture_routing(model) as learned:
@@ -231,6 +236,33 @@ def test_router_mismatch_counts_real_tokens_only(tmp_path, demo_tokenizer):
         model(input_ids=ids, attention_mask=mask)
     padded = (mask == 0).flatten()
     assert not (sampled[0].sort(-1).values != learned[0].sort(-1).values).any(-1)[padded].all()
+
+
+def test_router_mismatch_compares_the_experts_chosen_not_their_order(tmp_path, demo_tokenizer):
+    """A sampler may list a token's top-k experts in another order (the expert sum does not depend on it): the same
+    experts in reverse order are no mismatch."""
+    trainer, model, output, ids, mask = _router_check(tmp_path, demo_tokenizer)
+
+    def reverse_top_k(_module, args):
+        hidden, top_k_index, top_k_weights = args
+        return hidden, top_k_index.flip(-1), top_k_weights.flip(-1)
+
+    experts = [m for m in trainer.vllm_generation.sampler.modules() if is_fused_experts(m)]
+    handles = [m.register_forward_pre_hook(reverse_top_k) for m in experts]
+    try:
+        trainer._log_router_mismatch(output, "train")
+        with (
+            torch.no_grad(),
+            capture_routing(trainer.vllm_generation.sampler) as sampled,
+            capture_routing(model) as learned,
+        ):
+            trainer.vllm_generation.sampler(input_ids=ids, attention_mask=mask)
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert experts and (sampled[0] != learned[0]).any()  # the order differs...
+    assert trainer._metrics["train"]["fp8/router_mismatch"] == [0.0]  # ...the experts do not
 
 
 def test_routers_whose_linear_is_a_child_stay_in_high_precision():
