@@ -129,10 +129,28 @@ def test_fp8_checkpoint_of_a_renamed_family_loads_in_transformers_and_names_vllm
         assert config["modules_to_not_convert"] == ["lm_head"] and config["ignored_layers"] == ["embed_out"]
 
 
+def _reverse_rows():
+    """A conversion op reversing a weight's rows, which runs on a tag of any size (one row included)."""
+    from transformers.core_model_loading import ConversionOps
+
+    class ReverseRows(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            tensor = next(iter(input_dict.values()))
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            return {target_patterns[0]: tensor.flip(0).contiguous()}
+
+        @property
+        def reverse_op(self) -> ConversionOps:
+            return ReverseRows()
+
+    return ReverseRows()
+
+
 def test_a_conversion_that_moves_a_weights_rows_is_refused_whether_or_not_it_runs_on_the_stand_ins(tiny_llama):
     """An FP8 weight whose rows a checkpoint holds in another order cannot be renamed: its 128x128 blocks would hold
     other values. Here transformers' own operations stand in for such a checkpoint format: an interleave (which runs
-    on the stand-in tags, and reorders them) and a RoPE permutation (which fails on them)."""
+    on the stand-in tags, and reorders them) and a RoPE permutation (which fails on them); and a reversal of the rows,
+    which runs on any tag and shows only on tags of several rows."""
     from transformers.core_model_loading import Interleave, PermuteForRope, WeightConverter
 
     model = convert_to_fp8(tiny_llama, FP8Recipe())
@@ -145,6 +163,9 @@ def test_a_conversion_that_moves_a_weights_rows_is_refused_whether_or_not_it_run
         stream_checkpoint_names(model, FP8Recipe())
     model._weight_conversions = model._weight_conversions[1:]
     with pytest.raises(ValueError, match=rf"hold model.layers.0.self_attn.q_proj.weight \(and {layers - 1} more\)"):
+        stream_checkpoint_names(model, FP8Recipe())
+    model._weight_conversions = [WeightConverter("mlp.up_proj.weight", "mlp.up_proj.weight", [_reverse_rows()])]
+    with pytest.raises(ValueError, match=rf"hold model.layers.0.mlp.up_proj.weight \(and {layers - 1} more\)"):
         stream_checkpoint_names(model, FP8Recipe())
 
 

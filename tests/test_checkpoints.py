@@ -175,10 +175,21 @@ def test_an_fp8_checkpoint_carries_the_kv_cache_scales_of_its_weights(tmp_path, 
     assert not info["missing_keys"] and info["unexpected_keys"] == set(names)
 
 
-def test_a_checkpoint_is_described_by_the_recipe_its_weights_were_quantized_with(tmp_path, tiny_llama):
-    model = convert_to_fp8(tiny_llama, FP8Recipe())
-    with pytest.raises(ValueError, match=r"converted with FP8Recipe\(weight_block_size=\[128, 128\].*not with the"):
-        save_fp8_checkpoint(model, str(tmp_path), FP8Recipe(weight_block_size=[64, 128]))
+@pytest.mark.parametrize(
+    "converted, given",
+    [
+        (dict(), dict(weight_block_size=[64, 128])),
+        (dict(pow2_scales=False), dict(pow2_scales=True)),  # vLLM would run fp32 scales as E8M0
+        (dict(pow2_scales=True), dict(pow2_scales=False)),
+    ],
+    ids=["block", "pow2_given", "pow2_converted"],
+)
+def test_a_checkpoint_is_described_by_the_recipe_its_weights_were_quantized_with(
+    tmp_path, tiny_llama, converted, given
+):
+    model = convert_to_fp8(tiny_llama, FP8Recipe(**converted))
+    with pytest.raises(ValueError, match=rf"converted with {re.escape(repr(FP8Recipe(**converted)))}.*not with the"):
+        save_fp8_checkpoint(model, str(tmp_path), FP8Recipe(**given))
     assert not (tmp_path / "model.safetensors").exists()
 
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import sqnr_db, tiny_config_kwargs
+from conftest import sqnr_db, tiny_config_kwargs, tiny_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
-from trl_fp8.quant import FP8Linear, fp8_modules, select_fp8_linears
+from trl_fp8.quant import FP8Linear, fp8_modules, quantize_blockwise, select_fp8_linears
 
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -187,3 +187,29 @@ def test_converting_again_needs_the_same_recipe():
     ):
         convert_to_fp8(model, FP8Recipe(pow2_scales=True))
     assert model.fp8_recipe == FP8Recipe() and all(not m.pow2_scales for m in layers)
+
+
+def test_the_stream_of_an_unconverted_model_takes_the_recipes_pow2_scales():
+    """With FP8 sampling alone the learner stays in high precision, and `iter_fp8_state` quantizes it for the sampler
+    by the recipe: pow2 scales when it says so (vLLM then runs them as E8M0)."""
+    model = tiny_model(LlamaConfig, LlamaForCausalLM)
+    params = dict(model.named_parameters())
+    pairs = dict(iter_fp8_state(model, FP8Recipe(pow2_scales=True)))
+    fp8 = [n for n, t in pairs.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 3 * 7
+    for name in fp8:
+        q_ref, s_ref = quantize_blockwise(params[name].detach(), (128, 128), pow2_scales=True)
+        assert torch.equal(pairs[name].view(torch.uint8), q_ref.view(torch.uint8)), name
+        assert torch.equal(pairs[f"{name}_scale_inv"], s_ref), name
+        assert torch.all(torch.frexp(s_ref).mantissa == 0.5), name
+
+
+def test_non_square_weight_blocks_are_checked_against_out_and_in_features():
+    """A linear converts when its (out, in) features are whole (block rows, block cols): with 64x128 blocks and an
+    intermediate size of 192, gate/up (192x256) do and down (256x192) does not."""
+    model = tiny_model(LlamaConfig, LlamaForCausalLM, intermediate_size=192)
+    with pytest.warns(UserWarning, match=r"model.layers.0.mlp.down_proj \(256x192, not in whole 64x128 blocks\)"):
+        convert_to_fp8(model, FP8Recipe(weight_block_size=[64, 128]))
+    mlp = model.model.layers[1].mlp
+    assert isinstance(mlp.gate_proj, FP8Linear) and isinstance(mlp.up_proj, FP8Linear)
+    assert type(mlp.down_proj) is nn.Linear

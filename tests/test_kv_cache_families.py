@@ -1,6 +1,6 @@
 """The FP8 KV cache across architectures: every family decodes through it as it reads the whole sequence, layers that
 read another layer's K/V (Gemma 3n, Gemma 4) take that layer's scales, and what cannot hold the cache is refused by
-name, before the trainer converts anything."""
+name, before the trainer converts anything. And the attention itself: queries through E4M3 under their q_scale."""
 
 import sys
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 from accelerate import Accelerator
-from conftest import tiny_grpo_args
+from conftest import tiny_grpo_args, tiny_model
 from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8GRPOConfig, FP8GRPOTrainer, FP8Recipe
 from trl_fp8.demo.families import FAMILIES, available, tiny
@@ -17,12 +18,15 @@ from trl_fp8.demo.task import accuracy_reward, make_dataset
 from trl_fp8.generation.reference import ReferenceEngine, left_pad
 from trl_fp8.quant.kv_cache import (
     CACHE_KWARG,
+    FP8_QUERY_ATTENTION,
     FP8KVCache,
     _base_attention,
+    attention_module_names,
     calibrate_kv_scales,
     dequantize_kv,
     kv_shared_sources,
     quantize_kv,
+    set_attention,
 )
 
 
@@ -190,3 +194,34 @@ def test_fp8_kv_cache_is_refused_where_it_cannot_hold_the_cache():
     # Every decoder layer needs K/V scales or, from the model's config, a recurrent state in the FP8 KV cache.
     with pytest.raises(ValueError, match=r"decoder layer 1 has neither K/V scales nor a recurrent state"):
         FP8KVCache({0: (0.1, 0.1), 2: (0.1, 0.1)})
+
+
+def _reference_fp8_query(module, query, *args, **kwargs):
+    """sdpa on queries quantized as vLLM's FlashAttention-3 `query_quant` does: E4M3 codes under the static q_scale."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    s = float(module.q_scale)
+    q = torch.clamp(query.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+    return sdpa_attention_forward(module, q.to(query.dtype), *args, **kwargs)
+
+
+def test_the_samplers_queries_go_through_e4m3_with_their_q_scale():
+    """With the FP8 KV cache the sampler's attention quantizes its queries with the layer's static `q_scale`, as vLLM
+    does: the model's logits equal those of sdpa on queries quantized by that rule (registered under a test name)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("test_reference_fp8_query", _reference_fp8_query)
+    AttentionMaskInterface.register("test_reference_fp8_query", sdpa_mask)
+    model = tiny_model(LlamaConfig, LlamaForCausalLM, attn_implementation="sdpa")
+    names = attention_module_names(model)
+    for i, name in enumerate(names):  # coarse scales, so that the E4M3 rounding of the queries shows in the logits
+        model.get_submodule(name).register_buffer("q_scale", torch.tensor(0.05 * (i + 1)))
+    ids = torch.randint(0, 160, (2, 9))
+    with torch.no_grad():
+        plain = model(ids).logits
+        set_attention(model, names, FP8_QUERY_ATTENTION)
+        fp8_query = model(ids).logits
+        model.config._attn_implementation = "test_reference_fp8_query"
+        reference = model(ids).logits
+    assert torch.equal(fp8_query, reference) and not torch.equal(fp8_query, plain)

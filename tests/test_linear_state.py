@@ -1,17 +1,20 @@
 """An FP8Linear whose state changes after it ran: moved to another device or dtype, given another backend or weight
-block size; its caches must follow, and what cannot be honoured (a create_graph backward, a non-float input, a bad
-block size, siblings on different backends) is refused naming the layer."""
+block size, its weights changed where no version counter sees it (a fused optimizer step, a `.data` write); its
+caches must follow, and what cannot be honoured (a create_graph backward, a non-float input, a bad block size,
+siblings on different backends) is refused naming the layer."""
 
+import gc
 import re
 
 import pytest
 import torch
-from conftest import make_layer, tiny_config_kwargs
+from conftest import holds_its_own_fp8_weight, make_layer, tiny_config_kwargs, tiny_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
-from trl_fp8.quant import FP8Linear, quantize_blockwise
+from trl_fp8.quant import FP8Linear, mark_weights_changed, quantize_blockwise
+from trl_fp8.quant.staleness import serial
 
 
 def _attention() -> nn.Module:
@@ -183,3 +186,42 @@ def test_a_bad_weight_block_size_is_refused_when_set_naming_the_layer(block):
         FP8Linear(16, 16, weight_block_size=block)
     with pytest.raises(ValueError, match="FP8Linear: unknown FP8 backend 'fast'"):  # it used to say "weight: "
         FP8Linear(16, 16, backend="fast")
+
+
+def test_stacked_siblings_requantize_after_a_fused_optimizer_step_and_a_data_write():
+    """Stacked q/k/v cache one quantization of their stacked weight. The fused AdamW (transformers' default) updates
+    parameters without bumping their version counters, and `.data` writes bypass them: only the process-wide epoch
+    (optimizer steps, `mark_weights_changed()`) tells the group's cache that its weights changed, as it tells a lone
+    `FP8Linear`'s."""
+    model = convert_to_fp8(tiny_model(LlamaConfig, LlamaForCausalLM), FP8Recipe(backend="emulated"))
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj._siblings is not None
+    params = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    ids = torch.randint(0, 160, (2, 7))
+    model(ids, labels=ids).loss.backward()  # fills the group's cache
+    assert all(holds_its_own_fp8_weight(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    versions = [p._version for p in params]
+    optimizer.step()
+    assert [p._version for p in params] == versions  # the fused step bumps no version counter
+    assert all(holds_its_own_fp8_weight(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    attn.k_proj.weight.data.mul_(3)
+    mark_weights_changed()
+    assert all(holds_its_own_fp8_weight(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+
+def test_a_tensor_taking_a_dead_tensors_id_gets_a_new_serial():
+    """`staleness.serial` must never give a new tensor a dead one's number, even where CPython hands the new object
+    the dead one's `id()` (as it does at once for an object of the same size): the FP8 caches key on it, and a
+    Parameter put in place of a freed one (same id, storage and version) would be served the old FP8 weight."""
+    seen = {}
+    for _ in range(200):
+        t = torch.empty(4)
+        key, number = id(t), serial(t)
+        if key in seen:
+            assert number != seen[key], "a dead tensor's serial was handed to a new tensor with its id"
+            return
+        seen[key] = number
+        del t
+        gc.collect()
+    pytest.fail("no new tensor took a dead tensor's id in 200 tries: the case this test is for never arose")

@@ -28,8 +28,8 @@ def lora_llama(dtype: torch.dtype = torch.float32, **lora):
     return peft_model
 
 
-def fp8_lora_llama(dtype: torch.dtype = torch.float32, **lora):
-    peft_model = convert_to_fp8(lora_llama(dtype, **lora), FP8Recipe())
+def fp8_lora_llama(dtype: torch.dtype = torch.float32, recipe: FP8Recipe | None = None, **lora):
+    peft_model = convert_to_fp8(lora_llama(dtype, **lora), recipe or FP8Recipe())
     converted = convert_lora_layers(peft_model)
     assert len(converted) == 3 * len(TARGETS)
     return peft_model
@@ -40,13 +40,15 @@ def merged_fp8_linear(layer: FP8LoraLinear) -> FP8Linear:
     base = layer.get_base_layer()
     plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None)
     plain.weight = nn.Parameter(merged_weight(layer).detach().clone())
-    return FP8Linear.from_linear(plain)
+    return FP8Linear.from_linear(plain, weight_block_size=base.weight_block_size)
 
 
-def test_forward_and_dgrad_are_an_fp8_linear_holding_the_merged_weight_and_the_adapters_train_as_in_peft():
-    model = fp8_lora_llama()
+# 64x128: dgrad reads the merged weight's blocks transposed, which only a non-square block tells apart.
+@pytest.mark.parametrize("block", [(128, 128), (64, 128)], ids=["w128x128", "w64x128"])
+def test_forward_and_dgrad_are_an_fp8_linear_holding_the_merged_weight_and_the_adapters_train_as_in_peft(block):
+    model = fp8_lora_llama(recipe=FP8Recipe(weight_block_size=list(block)))
     layer = model.base_model.model.model.layers[1].mlp.down_proj
-    assert isinstance(layer, FP8LoraLinear) and isinstance(layer.get_base_layer(), FP8Linear)
+    assert isinstance(layer, FP8LoraLinear) and layer.get_base_layer().weight_block_size == block
     reference = merged_fp8_linear(layer)
     x = torch.randn(2, 5, 512, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
@@ -84,6 +86,17 @@ def test_the_sampler_gets_the_quantization_the_layer_computed_with():
     q2_ref, _ = quantize_blockwise(merged_weight(layer).detach(), (128, 128))
     assert q2 is not q and torch.equal(q2.view(torch.uint8), q2_ref.view(torch.uint8))
     assert not torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_the_merged_fp8_weight_follows_set_scale():
+    """PEFT's `set_scale` changes s in Q(W + s·B·A) without touching a parameter: the cached merged FP8 weight (which
+    the forward and the sampler read) must follow it."""
+    layer = fp8_lora_llama().base_model.model.model.layers[1].mlp.down_proj
+    layer.quantized_weight()
+    layer.set_scale("default", 3.0)
+    q, s = layer.quantized_weight()
+    q_ref, s_ref = quantize_blockwise(merged_weight(layer).detach(), (128, 128))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
 def test_disabled_or_merged_adapters_run_the_fp8_base_layer():
@@ -234,7 +247,7 @@ def test_an_adapter_added_to_an_fp8_layer_after_conversion_is_checked_too(lora, 
 @pytest.mark.parametrize("move", ["half_float", "same_address"])
 def test_moving_an_fp8_lora_layer_drops_its_merged_weight(move, moved):
     """Moving the LoRA layer, or its FP8 base alone (which the LoRA layer's own `_apply` never sees)."""
-    from test_linear import MOVES, assert_quantizes_its_weight
+    from test_linear_state import MOVES, assert_quantizes_its_weight
 
     model = fp8_lora_llama()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj

@@ -220,6 +220,20 @@ def _router_check(tmp_path, tokenizer):
     return trainer, model, output, ids, mask
 
 
+def test_fp8_experts_take_the_recipes_pow2_scales():
+    """The recipe's scale rule holds for fused experts as for linears: each expert quantized alone, pow2 scales."""
+    model = convert_to_fp8(qwen3_moe(), FP8Recipe(pow2_scales=True))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, FP8Experts)
+    for which in ("gate_up_proj", "down_proj"):
+        q, s = experts.quantized(which)
+        w = getattr(experts, which).detach()
+        for e in range(w.shape[0]):
+            q_ref, s_ref = quantize_blockwise(w[e], (128, 128), pow2_scales=True)
+            assert torch.equal(q[e].view(torch.uint8), q_ref.view(torch.uint8)), (which, e)
+            assert torch.equal(s[e], s_ref), (which, e)
+
+
 def test_router_mismatch_counts_real_tokens_only(tmp_path, demo_tokenizer):
     """`fp8/router_mismatch` is a share of (real token, MoE layer) pairs. With every router of the sampler negated,
     each real token goes to the other 2 of the 4 experts in both layers (1.0); some padded positions do not (their
@@ -303,7 +317,7 @@ def test_routers_whose_linear_is_a_child_stay_in_high_precision():
 
 @pytest.mark.parametrize("move", ["half_float", "same_address"])
 def test_moving_the_experts_drops_their_fp8_caches(move):
-    from test_linear import MOVES
+    from test_linear_state import MOVES
 
     model = convert_to_fp8(qwen3_moe(), FP8Recipe(backend="emulated"))
     experts = model.model.layers[0].mlp.experts
