@@ -43,8 +43,8 @@ python3 -c "import xdist" 2>/dev/null && opts+=(-n 4 --dist loadgroup)
 # run the autotuned quantizers), then each quantizer config and the Triton GEMM, so that a run cut short by the
 # timeout (as on 2026-12-04, inside test_triton_kernels.py, then first) has checked what `backend="auto"` trains with.
 timeout 220 python3 -m pytest -p no:cacheprovider --continue-on-collection-errors "${opts[@]}" \
-  tests/test_linear.py tests/test_torch_backend.py tests/test_siblings.py tests/test_triton_kernels.py \
-  tests/test_triton_gemm.py tests/test_moe_grouped.py tests/test_te_backend.py \
+  tests/test_linear.py tests/test_linear_state.py tests/test_torch_backend.py tests/test_siblings.py \
+  tests/test_triton_kernels.py tests/test_triton_gemm.py tests/test_moe_grouped.py tests/test_te_backend.py \
   2>&1 | tee "$out/pytest.log" | grep -E "FAILED|ERROR|XPASS|passed|failed|Timeout" | tail -40
 tests=${PIPESTATUS[0]}
 timeout 310 python3 benchmarks/gpu_bench.py --output_dir "$out" --budget_s 250 "$@" 2>&1 | tee "$out/bench.log" | tail -80
