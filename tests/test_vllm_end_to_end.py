@@ -66,7 +66,8 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     as the refitted one. The mismatch bounds catch a sampler that does not run the synced weights (with the refit left
     out, vLLM samples from its dummy weights: 3879 and 3714 here): < 1.05, and < 1.3 with the FP8 KV cache, which on
     this small model moves single steps a lot: the reference engine, same model, batch and bf16, gave 1.01-1.23 per
-    step over 18 steps (3 seeds x 6), vLLM's CPU build 1.06 and 1.14."""
+    step over 18 steps (3 seeds x 6), vLLM's CPU build 1.06 and 1.14 (at the default K/V scale percentile and margin;
+    the run gives the engine others, which it must calibrate with)."""
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "vllm_two_steps.py"), str(tmp_path)]
     cmd += ["--kv_cache"] * kv_cache + ["--lora"] * lora
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
@@ -77,6 +78,7 @@ def test_colocated_vllm_fp8_grpo_end_to_end(tmp_path, kv_cache, lora):
     if kv_cache:
         torch.testing.assert_close(torch.tensor(out["kv_scales_served"]), torch.tensor(out["kv_scales_sent"]))
         torch.testing.assert_close(torch.tensor(out["kv_scale_floats_served"]), torch.tensor(out["kv_scales_sent"]))
+        assert out["kv_scale_rule"] == [99.5, 1.1]
     assert out["in_place"]
     # Left out of a refit, a layer's weights are named (vLLM would keep their old values without a word).
     assert out["refit_error_full_stream"] is None

@@ -143,6 +143,7 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
         per_device_train_batch_size=8, num_generations=4, max_completion_length=16, max_steps=2, report_to="none",
         logging_steps=1, save_strategy="no", fp8_kv_cache=kv_cache, vllm_llm_kwargs={"enforce_eager": True},
         fp8_save_format="fp8",
+        fp8_kv_scale_percentile=99.5, fp8_kv_scale_margin=1.1,  # not the defaults: the engine must be given them
     )  # fmt: skip
     model = os.environ.get("TRL_FP8_VLLM_MODEL", str(DEMO_MODEL_DIR))
     peft_config = LoraConfig(r=16, target_modules="all-linear", lora_dropout=0.0) if lora else None
@@ -177,6 +178,7 @@ def main(output_dir: str, kv_cache: bool, lora: bool) -> None:
         result["kv_scales_served"] = [row[:3] for row in served]
         result["kv_scale_floats_served"] = [row[3:] for row in served]
         result["kv_scales_sent"] = engine._kv_scale_invs.tolist()
+        result["kv_scale_rule"] = [engine.kv_scale_percentile, engine.kv_scale_margin]
 
     # 50 more refits: they must write into the tensors vLLM holds (a captured CUDA graph reads those addresses) and,
     # on a GPU, leave its memory flat.
