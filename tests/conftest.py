@@ -154,6 +154,50 @@ def on_grid(rows: int, cols: int, seed: int) -> torch.Tensor:
     return codes.view(torch.float8_e4m3fn).float() * factor
 
 
+def assert_quantizes_its_weight(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> None:
+    """(q, s) are `quantize_blockwise(w)` under 128x128 blocks, bit for bit."""
+    from trl_fp8.quant import quantize_blockwise
+
+    q_ref, s_ref = quantize_blockwise(w.detach(), (128, 128))
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+# `.to()` and friends swap new values in through `param.data = ...`, which keeps the version counter, and the new
+# storage may take the old address (it often does after `.half().float()`): "same_address" forces that case.
+MOVES = {
+    "half_float": lambda m: m.half().float(),
+    "same_address": lambda m: m._apply(lambda t: t.data.mul_(2)),
+}
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def lora_llama(dtype: torch.dtype = torch.float32, **lora):
+    """A seeded tiny Llama under PEFT LoRA on `LORA_TARGETS`, its B matrices non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs())).to(dtype)
+    config = LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": LORA_TARGETS, "lora_dropout": 0.0, **lora})
+    peft_model = get_peft_model(model, config)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero, which would hide the adapters from every check
+            torch.nn.init.normal_(p, std=0.05)
+    return peft_model
+
+
+def fp8_lora_llama(dtype: torch.dtype = torch.float32, recipe=None, **lora):
+    """`lora_llama` converted to FP8 by `recipe` (default `FP8Recipe()`), its adapted layers FP8 LoRA layers."""
+    from trl_fp8 import FP8Recipe, convert_to_fp8
+    from trl_fp8.quant.lora import convert_lora_layers
+
+    peft_model = convert_to_fp8(lora_llama(dtype, **lora), recipe or FP8Recipe())
+    converted = convert_lora_layers(peft_model)
+    assert len(converted) == 3 * len(LORA_TARGETS)
+    return peft_model
+
+
 def holds_its_own_fp8_weight(module) -> bool:
     """Whether an `FP8Linear`'s cached FP8 weight (codes and scales) is the quantization of the master weight it holds
     now, under its own block size and scale rule."""

@@ -48,6 +48,7 @@ def test_two_process_ddp_ends_with_identical_weights(tmp_path):
 
 ZERO2_CPU = Path(__file__).parents[1] / "examples" / "accelerate_configs" / "zero2_cpu.yaml"
 ZERO3_CPU = ZERO2_CPU.with_name("zero3_cpu.yaml")
+FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install deepspeed)"
 )
@@ -170,7 +171,6 @@ def test_a_two_rank_run_resumed_from_its_checkpoint_ends_where_the_straight_run_
     and optimizer state it loaded (no FP8 weight quantized before the load survives it; each rank's FP8 KV cache
     recalibrated on the batch its checkpoint kept), and ends bit for bit where three straight steps end, on both
     ranks."""
-    from test_fsdp import FSDP2_CPU
 
     config = {"zero2": ZERO2_CPU, "zero3": ZERO3_CPU, "fsdp2": FSDP2_CPU}[layout]
     ranks = launch_two_processes(RESUME, tmp_path, config_file=config)

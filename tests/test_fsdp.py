@@ -10,16 +10,13 @@ import pytest
 import torch
 from conftest import launch_two_processes, needs_fsdp2, tiny_policy
 from peft import LoraConfig, get_peft_model
-from test_distributed import SCRIPT, assert_a_sharded_run_computes_what_ddp_does
+from test_distributed import FSDP2_CPU, SCRIPT, assert_a_sharded_run_computes_what_ddp_does
 from transformers import AutoModelForCausalLM
 
 from trl_fp8 import convert_to_fp8
 from trl_fp8.demo.make_model import build_tokenizer
 from trl_fp8.demo.task import DEMO_MODEL_DIR
 from trl_fp8.quant.kv_cache import calibrate_kv_scales
-
-
-FSDP2_CPU = SCRIPT.with_name("fsdp2_cpu.yaml")
 
 
 @needs_fsdp2()

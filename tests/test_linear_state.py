@@ -8,7 +8,15 @@ import re
 
 import pytest
 import torch
-from conftest import holds_its_own_fp8_weight, make_layer, tiny_config_kwargs, tiny_model
+from conftest import (
+    MOVES,
+    assert_quantizes_its_weight,
+    fp8_lora_llama,
+    holds_its_own_fp8_weight,
+    make_layer,
+    tiny_config_kwargs,
+    tiny_model,
+)
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,19 +35,6 @@ def _attention() -> nn.Module:
         setattr(attn, name, FP8Linear.from_linear(nn.Linear(256, out_f), backend="emulated", name=name))
     assert group_siblings(attn)
     return attn
-
-
-def assert_quantizes_its_weight(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor) -> None:
-    q_ref, s_ref = quantize_blockwise(w.detach(), (128, 128))
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-
-
-# `.to()` and friends swap new values in through `param.data = ...`, which keeps the version counter, and the new
-# storage may take the old address (it often does after `.half().float()`): "same_address" forces that case.
-MOVES = {
-    "half_float": lambda m: m.half().float(),
-    "same_address": lambda m: m._apply(lambda t: t.data.mul_(2)),
-}
 
 
 @pytest.mark.parametrize("move", MOVES)
@@ -62,7 +57,6 @@ def test_create_graph_is_refused_not_answered_without_a_graph():
     """The FP8 backwards are not differentiable. `once_differentiable` answered `create_graph=True` with a dX without
     a graph and failed only a later `.backward()` through it: `torch.autograd.grad` skipped its error node, and a
     gradient penalty with another path to x (here `sin`) silently lost its FP8 terms."""
-    from test_lora import fp8_lora_llama
 
     attn, (_, alone) = _attention(), make_layer(in_f=256)
     lora = fp8_lora_llama().base_model.model.model.layers[0].self_attn.q_proj

@@ -3,36 +3,21 @@ its adapters receive that linear's FP8 weight gradient through the merge. On a r
 
 import pytest
 import torch
-from conftest import sqnr_db, tiny_config_kwargs
-from peft import LoraConfig, get_peft_model
+from conftest import (
+    LORA_TARGETS,
+    MOVES,
+    assert_quantizes_its_weight,
+    fp8_lora_llama,
+    lora_llama,
+    sqnr_db,
+)
+from peft import LoraConfig
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe, convert_to_fp8
 from trl_fp8.quant import FP8Linear, quantize_blockwise
 from trl_fp8.quant.adapters import merged_weight
 from trl_fp8.quant.lora import FP8LoraLinear, convert_lora_layers
-
-
-TARGETS = ["q_proj", "v_proj", "down_proj"]
-
-
-def lora_llama(dtype: torch.dtype = torch.float32, **lora):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs())).to(dtype)
-    config = LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": TARGETS, "lora_dropout": 0.0, **lora})
-    peft_model = get_peft_model(model, config)
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero, which would hide the adapters from every check
-            nn.init.normal_(p, std=0.05)
-    return peft_model
-
-
-def fp8_lora_llama(dtype: torch.dtype = torch.float32, recipe: FP8Recipe | None = None, **lora):
-    peft_model = convert_to_fp8(lora_llama(dtype, **lora), recipe or FP8Recipe())
-    converted = convert_lora_layers(peft_model)
-    assert len(converted) == 3 * len(TARGETS)
-    return peft_model
 
 
 def merged_fp8_linear(layer: FP8LoraLinear) -> FP8Linear:
@@ -165,7 +150,7 @@ def test_the_fp8_weight_is_that_of_peft_s_own_merge_in_bf16():
 
 def test_several_active_adapters_merge_into_one_fp8_weight():
     model = fp8_lora_llama()
-    model.add_adapter("other", LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS, lora_dropout=0.0))
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS, lora_dropout=0.0))
     convert_lora_layers(model)  # the new adapter's layers are the same (already re-classed) modules
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     nn.init.normal_(layer.lora_B["other"].weight, std=0.05)
@@ -200,7 +185,7 @@ def test_adapted_layers_stay_fp8_linears_where_transformer_engine_takes_the_othe
     convert_to_fp8(base, FP8Recipe(backend="te"))
     assert sorted({name.rsplit(".", 1)[1] for name in taken}) == ["gate_proj", "k_proj", "o_proj", "up_proj"]
     adapted = [m for m in base.modules() if hasattr(m, "lora_A")]
-    assert len(adapted) == 3 * len(TARGETS)
+    assert len(adapted) == 3 * len(LORA_TARGETS)
     assert all(isinstance(m.get_base_layer(), FP8Linear) and m.get_base_layer().backend == "auto" for m in adapted)
     assert len(convert_lora_layers(base)) == len(adapted)
 
@@ -247,7 +232,6 @@ def test_an_adapter_added_to_an_fp8_layer_after_conversion_is_checked_too(lora, 
 @pytest.mark.parametrize("move", ["half_float", "same_address"])
 def test_moving_an_fp8_lora_layer_drops_its_merged_weight(move, moved):
     """Moving the LoRA layer, or its FP8 base alone (which the LoRA layer's own `_apply` never sees)."""
-    from test_linear_state import MOVES, assert_quantizes_its_weight
 
     model = fp8_lora_llama()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_grpo_args
+from conftest import MOVES, tiny_grpo_args
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -317,7 +317,6 @@ def test_routers_whose_linear_is_a_child_stay_in_high_precision():
 
 @pytest.mark.parametrize("move", ["half_float", "same_address"])
 def test_moving_the_experts_drops_their_fp8_caches(move):
-    from test_linear_state import MOVES
 
     model = convert_to_fp8(qwen3_moe(), FP8Recipe(backend="emulated"))
     experts = model.model.layers[0].mlp.experts

@@ -8,8 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import tiny_policy
-from test_lora import fp8_lora_llama
+from conftest import fp8_lora_llama, tiny_policy
 
 from trl_fp8 import FP8Recipe, convert_to_fp8, iter_fp8_state
 from trl_fp8.demo.make_model import build_tokenizer
