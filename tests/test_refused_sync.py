@@ -11,15 +11,23 @@ from trl_fp8 import FP8Recipe
 from trl_fp8.generation.reference import ReferenceEngine, left_pad
 
 
-def test_a_refused_sync_is_refused_again_not_taken_for_done():
-    """The learner's versions are recorded only once its stream loaded: a second sync of the same learner is refused
-    again, instead of returning as if the sampler held weights it never received (and generating with the old ones).
-    Here `load_state_stream` refuses: the learner's head is untied from its embedding while its config says tied."""
+def untied_learner():
+    """A tiny Llama whose config says tied while its head is a separate tensor, which `load_state_stream` refuses.
+    Returns the learner and its original (tied) head parameter, to tie it again."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     learner = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(tie_word_embeddings=True)))
+    tied = learner.lm_head.weight
     learner.lm_head.weight = torch.nn.Parameter(3 * learner.model.embed_tokens.weight.detach())
+    return learner, tied
+
+
+def test_a_refused_sync_is_refused_again_not_taken_for_done():
+    """The learner's versions are recorded only once its stream loaded: a second sync of the same learner is refused
+    again, instead of returning as if the sampler held weights it never received (and generating with the old ones).
+    Here `load_state_stream` refuses: the learner's head is untied from its embedding while its config says tied."""
+    learner, _ = untied_learner()
     engine = ReferenceEngine(
         learner, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, eos_token_ids=[2], pad_token_id=0
     )
@@ -35,12 +43,7 @@ def test_a_stream_the_sampler_refuses_leaves_no_kv_scales_held():
     """With the FP8 KV cache and `recalibrate=False` the first scales held are kept for good: a stream that
     `load_state_stream` refuses (here the learner's head untied from its embedding while its config says tied) must
     not leave the scales measured for it held, as they would then be sent with every later sync."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    learner = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(tie_word_embeddings=True)))
-    tied = learner.lm_head.weight
-    learner.lm_head.weight = torch.nn.Parameter(3 * learner.model.embed_tokens.weight.detach())
+    learner, tied = untied_learner()
     engine = ReferenceEngine(
         learner, Accelerator(cpu=True), FP8Recipe(), fp8=True, dtype=torch.float32, kv_cache=True,
         eos_token_ids=[2], pad_token_id=0,
