@@ -5,7 +5,8 @@ again)."""
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import tiny_config_kwargs
+from conftest import tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_fp8 import FP8Recipe
 from trl_fp8.generation.reference import ReferenceEngine, left_pad
@@ -14,10 +15,7 @@ from trl_fp8.generation.reference import ReferenceEngine, left_pad
 def untied_learner():
     """A tiny Llama whose config says tied while its head is a separate tensor, which `load_state_stream` refuses.
     Returns the learner and its original (tied) head parameter, to tie it again."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    learner = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(tie_word_embeddings=True)))
+    learner = tiny_model(LlamaConfig, LlamaForCausalLM, tie_word_embeddings=True)
     tied = learner.lm_head.weight
     learner.lm_head.weight = torch.nn.Parameter(3 * learner.model.embed_tokens.weight.detach())
     return learner, tied
