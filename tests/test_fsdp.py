@@ -99,9 +99,8 @@ def test_the_example_trains_under_fsdp2_and_saves_a_whole_checkpoint(tmp_path):
         "--config", str(root / "recipes" / "demo_cpu.yaml"), "--output_dir", str(tmp_path), "--max_steps", "2",
         "--per_device_train_batch_size", "16", "--no_plot", "--report_to", "none",
     ]  # fmt: skip
-    # faulthandler: a rank that dies on a signal prints every thread's Python stack. One fresh-clone CI run
-    # (2026-12-05) saw rank 1 abort at exit ("terminate called without an active exception") after training and
-    # saving; some 150 runs since, under load, did not reproduce it, so the next one must say where it happened.
+    # faulthandler: a rank that dies on a signal prints every thread's Python stack. Rank 1 aborted in Python's
+    # teardown after training and saving (gloo's worker threads; fsdp_on_cpu.py says why and now leaves without it).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     fatal = result.stderr.find("Fatal Python error")  # faulthandler's report, ahead of torchrun's summary
