@@ -39,7 +39,8 @@ if __name__ == "__main__":
     # threads outlive `destroy_process_group`. A worker that frees an all-gather's work after finalization began must
     # take the GIL to release its output tensors; the thread exits mid-unwind and the rank aborts ("terminate called
     # without an active exception"; core dump: ProcessGroupGloo::runLoop -> ~AsyncAllgatherCoalescedWork ->
-    # decref_pyobject -> take_gil -> PyThread_exit_thread). 2 runs in 56 under load: benchmarks/RESULTS.md.
+    # decref_pyobject -> take_gil -> PyThread_exit_thread). 2 runs in 56 under load: benchmarks/RESULTS.md, which also
+    # lists what this skips (atexit handlers, finalizers): in-process clean-up only, nothing the run writes.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
