@@ -1,8 +1,8 @@
 """The colocated vLLM FP8 engine: everything decidable without vLLM runs here on CPU (the `LLM` arguments, the
 refused keys, the version range, stream validation, the architecture vLLM would build). Elsewhere: the refit in
-tests/test_vllm_refit.py, vLLM's block-FP8 layout and the TP rule in tests/test_vllm_layout.py, and the end-to-end
-runs, which need vLLM (its CUDA build on a GPU, or its CPU build: `-m vllm`, tests/scripts/vllm_cpu.sh), in
-tests/test_vllm_end_to_end.py."""
+tests/test_vllm_refit.py, vLLM's block-FP8 layout and the TP rule in tests/test_vllm_layout.py (the families vLLM
+lays out its own way in tests/test_vllm_layout_families.py), and the end-to-end runs, which need vLLM (its CUDA build
+on a GPU, or its CPU build: `-m vllm`, tests/scripts/vllm_cpu.sh), in tests/test_vllm_end_to_end.py."""
 
 import tomllib
 from pathlib import Path
